@@ -1,0 +1,54 @@
+"""sqlalchemy-outbox: a transactional outbox for SQLAlchemy 2.x.
+
+Events emitted in a transaction are stored if and only if it commits; a relay
+process (``outbox.relay``) delivers them afterwards, with retries, dead letters
+and an append-only audit of every attempt.
+"""
+
+from . import signals
+from ._emit import emit
+from ._exceptions import (
+    ConfigurationError,
+    EmitError,
+    InvalidEmitOption,
+    NotInstalled,
+    OutboxError,
+    PayloadError,
+    PermanentError,
+    RetryLater,
+    UnroutedEvent,
+)
+from ._message import Handler, Message
+from ._migrations import include_object, upgrade
+from ._mixin import OutboxMixin
+from ._outbox import Outbox
+from ._routes import Route
+from ._tables import ATTEMPT_OUTCOMES, MESSAGE_STATUSES, metadata, outbox_attempt, outbox_message
+
+__all__ = [
+    "ATTEMPT_OUTCOMES",
+    "MESSAGE_STATUSES",
+    "ConfigurationError",
+    "EmitError",
+    "Handler",
+    "InvalidEmitOption",
+    "Message",
+    "NotInstalled",
+    "Outbox",
+    "OutboxError",
+    "OutboxMixin",
+    "PayloadError",
+    "PermanentError",
+    "RetryLater",
+    "Route",
+    "UnroutedEvent",
+    "emit",
+    "include_object",
+    "metadata",
+    "outbox_attempt",
+    "outbox_message",
+    "signals",
+    "upgrade",
+]
+
+__version__ = "0.1.0"

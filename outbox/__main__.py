@@ -1,0 +1,4 @@
+from outbox._cli import main
+import sys
+
+sys.exit(main())

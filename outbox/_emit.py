@@ -1,0 +1,153 @@
+"""emit(): validate now, buffer in the session, store with the caller's commit."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from . import signals
+from ._exceptions import InvalidEmitOption, UnroutedEvent
+from ._install import outbox_for
+from ._payload import check_headers, serialise_payload
+from ._pending import PendingEvent, events_of, innermost
+from ._routes import check_priority
+
+__all__ = ["emit"]
+
+_KEY_LIMIT = 255
+#: Events with an idempotency key get a deterministic id, so emitting the same
+#: key again returns the id of the event that is (or will be) stored.
+_KEYED_EVENT_NAMESPACE = uuid.UUID("6f1c2a52-3b7e-4e0e-9f0e-0a6f5d0c7b1e")
+
+
+def _check_key(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidEmitOption(f"{name} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidEmitOption(f"{name} must not be empty; pass None for no {name}")
+    if len(value) > _KEY_LIMIT:
+        raise InvalidEmitOption(f"{name} must be at most {_KEY_LIMIT} characters, got {len(value)}")
+    return value
+
+
+def _check_delay(delay: Any) -> timedelta:
+    if delay is None:
+        return timedelta(0)
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, int | float) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise InvalidEmitOption(
+            f"delay must be a timedelta or a number of seconds, got {type(delay).__name__}"
+        )
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidEmitOption(f"delay must be zero or more seconds, got {delay!r}")
+    return timedelta(seconds=seconds)
+
+
+def _check_queue(queue: Any) -> str | None:
+    if queue is None:
+        return None
+    if not isinstance(queue, str) or not queue or queue != queue.strip() or len(queue) > 255:
+        raise InvalidEmitOption(f"queue must be a non-empty name without spaces, got {queue!r}")
+    return queue
+
+
+def _sync(session: Session | AsyncSession) -> Session:
+    if isinstance(session, AsyncSession):
+        return session.sync_session
+    if isinstance(session, Session):
+        return session
+    raise TypeError(f"emit() needs a Session or AsyncSession, got {type(session).__name__}")
+
+
+def emit(
+    session: Session | AsyncSession,
+    event_type: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    group_key: str | None = None,
+    delay: float | timedelta | None = None,
+    headers: dict[str, str] | None = None,
+    priority: int | None = None,
+    queue: str | None = None,
+    _aggregate: Any = None,
+) -> uuid.UUID:
+    """Record ``event_type`` in the session's transaction; return the event's id.
+
+    One ``outbox_message`` row per route subscribed to ``event_type`` is stored
+    if and only if the transaction (and every enclosing savepoint) commits.
+    Everything is validated here, before anything is buffered, so a refused
+    event leaves the transaction usable.
+    """
+    sync_session = _sync(session)
+    outbox = outbox_for(sync_session)
+    if not isinstance(event_type, str) or not event_type:
+        raise InvalidEmitOption(f"event_type must be a non-empty string, got {event_type!r}")
+    routes = outbox.routes_for(event_type)
+    if not routes:
+        raise UnroutedEvent(event_type, outbox.event_types)
+    key = _check_key("key", key)
+    group_key = _check_key("group_key", group_key)
+    wait = _check_delay(delay)
+    queue = _check_queue(queue)
+    if priority is not None:
+        check_priority(priority, "priority", InvalidEmitOption)
+    header_map = check_headers(headers)
+    serialise_payload(payload, outbox.payload_limit)
+
+    event_id = (
+        uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()
+    )
+    aggregate_type = None
+    if _aggregate is not None:
+        aggregate_type = getattr(type(_aggregate), "__outbox_aggregate_type__", None) or type(
+            _aggregate
+        ).__name__
+    rows = [
+        {
+            "event_id": event_id,
+            "event_type": event_type,
+            "handler": route.name,
+            "queue": queue or route.queue,
+            "priority": route.priority if priority is None else priority,
+            "payload": payload,
+            "headers": header_map,
+            "aggregate_type": aggregate_type,
+            "aggregate_id": None,
+            "idempotency_key": key,
+            "group_key": group_key,
+            "max_attempts": route.max_attempts,
+            "delay": wait,
+        }
+        for route in routes
+    ]
+    state = events_of(sync_session)
+    assert state is not None
+    state.add(
+        PendingEvent(
+            outbox=outbox,
+            event_id=event_id,
+            rows=rows,
+            aggregate=_aggregate,
+            tag=innermost(sync_session),
+        )
+    )
+    if signals.event_emitted.receivers:
+        signals.event_emitted.send(
+            outbox,
+            session=sync_session,
+            event_id=event_id,
+            event_type=event_type,
+            routes=tuple(route.name for route in routes),
+        )
+    return event_id

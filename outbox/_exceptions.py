@@ -1,0 +1,89 @@
+"""Every error the outbox raises on purpose.
+
+The tree, so ``except`` clauses can be as wide or as narrow as a caller needs::
+
+    OutboxError                     root of everything below
+    ├── ConfigurationError          bad settings, a bad route, an unsupported install target
+    │   └── NotInstalled            emit() on a session whose factory no Outbox was installed on
+    ├── EmitError                   emit() refused the event; the caller's transaction is untouched
+    │   ├── UnroutedEvent           no route subscribes to the event type
+    │   ├── PayloadError            payload not JSON-serialisable, not an object, or too large
+    │   └── InvalidEmitOption       a bad option: negative delay, empty key, bad headers, ...
+    ├── RetryLater                  raised by a handler: transient, try again (optionally after `delay`)
+    └── PermanentError              raised by a handler: will never succeed, mark the message dead
+
+Validation errors are raised before anything is buffered or written, so a caller
+can catch them and carry on with the same session and transaction.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+__all__ = [
+    "ConfigurationError",
+    "EmitError",
+    "InvalidEmitOption",
+    "NotInstalled",
+    "OutboxError",
+    "PayloadError",
+    "PermanentError",
+    "RetryLater",
+    "UnroutedEvent",
+]
+
+
+class OutboxError(Exception):
+    """Root of every error sqlalchemy-outbox raises on purpose."""
+
+
+class ConfigurationError(OutboxError):
+    """The outbox was set up wrongly; raised at set-up time, not at delivery time."""
+
+
+class NotInstalled(ConfigurationError):
+    """emit() was called on a session that no ``Outbox`` serves."""
+
+
+class EmitError(OutboxError):
+    """emit() refused an event; nothing was buffered and the transaction is still usable."""
+
+
+class UnroutedEvent(EmitError):
+    """No route subscribes to the event type, so storing it would lose it silently."""
+
+    def __init__(self, event_type: str, known: tuple[str, ...] = ()) -> None:
+        self.event_type = event_type
+        hint = f" Known event types: {', '.join(known)}." if known else " No routes are registered."
+        super().__init__(
+            f"no route subscribes to event type {event_type!r}; register one with "
+            f"@outbox.handler({event_type!r}) or outbox.route({event_type!r}, ...).{hint}"
+        )
+
+
+class PayloadError(EmitError):
+    """The payload cannot be stored: not a JSON object, not serialisable, or over the limit."""
+
+
+class InvalidEmitOption(EmitError, ValueError):
+    """An emit() option has a value the outbox cannot honour."""
+
+
+class RetryLater(OutboxError):
+    """Raised by a handler for a transient failure: the relay retries the message.
+
+    ``delay`` overrides the route's backoff for this one retry (a webhook's
+    ``Retry-After``, say); it still counts as an attempt towards ``max_attempts``.
+    """
+
+    def __init__(self, message: str = "", *, delay: float | timedelta | None = None) -> None:
+        super().__init__(message or "handler asked to retry later")
+        if isinstance(delay, timedelta):
+            delay = delay.total_seconds()
+        if delay is not None and not delay >= 0:
+            raise ValueError(f"RetryLater delay must be >= 0 seconds, got {delay!r}")
+        self.delay: float | None = delay
+
+
+class PermanentError(OutboxError):
+    """Raised by a handler when the message can never succeed: it goes dead at once."""

@@ -1,0 +1,184 @@
+"""Session event listeners, attached only where ``Outbox.install`` is told to.
+
+No listener is registered at import time. Each installed class gets its own
+set of listeners; a listener acts only for sessions whose most specific
+installed class is its own, so an Outbox installed on ``Session`` and another
+on a ``sessionmaker`` never both write (or both signal) for the same session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
+from sqlalchemy.orm import Session, SessionTransaction, scoped_session, sessionmaker
+
+from . import signals
+from ._exceptions import ConfigurationError, NotInstalled
+from ._pending import events_of, innermost
+from ._write import write_events
+
+if TYPE_CHECKING:
+    from ._outbox import Outbox
+
+__all__ = ["install", "outbox_for", "uninstall"]
+
+_served: dict[type[Session], Outbox] = {}
+_listeners: dict[type[Session], list[tuple[str, Callable[..., Any]]]] = {}
+
+_TARGETS = (
+    "a Session class, a sessionmaker, a scoped_session, "
+    "the AsyncSession class (or a subclass) or an async_sessionmaker"
+)
+
+
+def _sync_class_of_async_maker(maker: async_sessionmaker[Any]) -> type[Session]:
+    """An async_sessionmaker makes plain AsyncSessions; give it a sync class of its own.
+
+    Without that, its sessions would share the global ``Session`` class and an
+    install would leak to every session in the process.
+    """
+    configured = maker.kw.get("sync_session_class")
+    if configured is None:
+        base = getattr(maker.class_, "sync_session_class", Session)
+        configured = type(f"Outbox{base.__name__}", (base,), {})
+        maker.kw["sync_session_class"] = configured
+    assert isinstance(configured, type) and issubclass(configured, Session)
+    return configured
+
+
+def _resolve(target: Any) -> type[Session]:
+    if isinstance(target, async_scoped_session):
+        target = target.session_factory
+    if isinstance(target, async_sessionmaker):
+        return _sync_class_of_async_maker(target)
+    if isinstance(target, scoped_session):
+        target = target.session_factory
+    if isinstance(target, sessionmaker):
+        return target.class_  # type: ignore[no-any-return]
+    if isinstance(target, type):
+        if issubclass(target, Session):
+            return target
+        if issubclass(target, AsyncSession):
+            return target.sync_session_class
+    if isinstance(target, Session | AsyncSession):
+        raise ConfigurationError(
+            f"install() takes a session factory, not a session instance: pass {_TARGETS}"
+        )
+    raise ConfigurationError(f"cannot install an Outbox on {target!r}; pass {_TARGETS}")
+
+
+def _owner(session: Session) -> type[Session] | None:
+    for cls in type(session).__mro__:
+        if cls in _served:
+            return cls
+    return None
+
+
+def outbox_for(session: Session) -> Outbox:
+    owner = _owner(session)
+    if owner is None:
+        raise NotInstalled(
+            f"no Outbox is installed for {type(session).__name__} sessions; call "
+            "ob.install(<your Session class or sessionmaker>) at start-up"
+        )
+    return _served[owner]
+
+
+def _flush_owed(session: Session) -> None:
+    state = events_of(session, create=False)
+    if state is None:
+        return
+    owed = state.unwritten()
+    if not owed:
+        return
+    write_events(session.connection(), owed)
+    current = innermost(session)
+    for pending in owed:
+        pending.written_in = current
+
+
+def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
+    def mine(session: Session) -> bool:
+        return _owner(session) is cls
+
+    def after_transaction_create(session: Session, transaction: SessionTransaction) -> None:
+        if transaction.parent is None and mine(session):
+            state = events_of(session, create=False)
+            if state is not None:
+                state.adopt(transaction)
+
+    def after_flush(session: Session, flush_context: Any) -> None:
+        if mine(session):
+            _flush_owed(session)
+
+    def before_commit(session: Session) -> None:
+        if not mine(session):
+            return
+        state = events_of(session, create=False)
+        if state is None or not state.unwritten():
+            return
+        # A flush first, so aggregates get their ids (after_flush writes then);
+        # a session with no ORM changes does not flush, so write what is left.
+        session.flush()
+        _flush_owed(session)
+
+    def after_commit(session: Session) -> None:
+        if session.get_nested_transaction() is not None or not mine(session):
+            return
+        state = events_of(session, create=False)
+        if state is None:
+            return
+        queues: dict[Outbox, set[str]] = {}
+        for pending in state.written():
+            queues.setdefault(pending.outbox, set()).update(row["queue"] for row in pending.rows)
+        for outbox, names in queues.items():
+            signals.messages_committed.send(outbox, session=session, queues=names)
+
+    def after_soft_rollback(session: Session, previous: SessionTransaction) -> None:
+        if mine(session):
+            state = events_of(session, create=False)
+            if state is not None:
+                state.rolled_back(previous)
+
+    def after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+        if transaction.parent is None and mine(session):
+            state = events_of(session, create=False)
+            if state is not None:
+                state.ended(transaction)
+
+    return [
+        ("after_transaction_create", after_transaction_create),
+        ("after_flush", after_flush),
+        ("before_commit", before_commit),
+        ("after_commit", after_commit),
+        ("after_soft_rollback", after_soft_rollback),
+        ("after_transaction_end", after_transaction_end),
+    ]
+
+
+def install(outbox: Outbox, target: Any) -> None:
+    cls = _resolve(target)
+    current = _served.get(cls)
+    if current is not None and current is not outbox:
+        raise ConfigurationError(
+            f"{cls.__name__} sessions are already served by another Outbox; give each Outbox "
+            "its own sessionmaker, or uninstall the other first"
+        )
+    _served[cls] = outbox
+    if cls not in _listeners:
+        listeners = _listeners_for(cls)
+        for name, fn in listeners:
+            event.listen(cls, name, fn)
+        _listeners[cls] = listeners
+
+
+def uninstall(outbox: Outbox, target: Any) -> None:
+    cls = _resolve(target)
+    if _served.get(cls) is not outbox:
+        raise ConfigurationError(f"this Outbox is not installed on {cls.__name__}")
+    del _served[cls]
+    for name, fn in _listeners.pop(cls, []):
+        event.remove(cls, name, fn)

@@ -1,0 +1,148 @@
+"""The Outbox: an application's routes and settings, and where they are installed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from ._exceptions import ConfigurationError
+from ._payload import DEFAULT_PAYLOAD_LIMIT
+from ._routes import Route, check_name, check_priority, handler_name
+
+__all__ = ["Outbox"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_MAX_ATTEMPTS = 10
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_QUEUE = "default"
+DEFAULT_PRIORITY = 0
+
+
+class Outbox:
+    """Routes (event type -> handlers) plus settings; one per application.
+
+    Routes are what make an emit valid: an event type with no route is refused at
+    emit time. The relay process imports the same object (``--app module:ob``) and
+    claims only the routes it holds.
+    """
+
+    def __init__(
+        self,
+        *,
+        payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+        default_max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        default_timeout: float = DEFAULT_TIMEOUT,
+        default_queue: str = DEFAULT_QUEUE,
+        default_priority: int = DEFAULT_PRIORITY,
+    ) -> None:
+        if isinstance(payload_limit, bool) or not isinstance(payload_limit, int) or payload_limit < 1:
+            raise ConfigurationError(f"payload_limit must be a positive number of bytes, got {payload_limit!r}")
+        self.payload_limit = payload_limit
+        self.default_max_attempts = default_max_attempts
+        self.default_timeout = default_timeout
+        self.default_queue = check_name("default_queue", default_queue)
+        self.default_priority = check_priority(default_priority, "default_priority", ConfigurationError)
+        self._routes: dict[str, Route] = {}
+        self._by_event: dict[str, tuple[Route, ...]] = {}
+
+    def __repr__(self) -> str:
+        return f"<Outbox routes={len(self._routes)}>"
+
+    # -- routes -------------------------------------------------------------
+
+    def route(
+        self,
+        event_type: str,
+        handler: Callable[..., Any],
+        *,
+        name: str | None = None,
+        max_attempts: int | None = None,
+        timeout: float | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+    ) -> Route:
+        """Subscribe ``handler`` to ``event_type``; every emit then stores one message for it."""
+        route = Route(
+            event_type=event_type,
+            name=name if name is not None else handler_name(handler),
+            handler=handler,
+            max_attempts=self.default_max_attempts if max_attempts is None else max_attempts,
+            timeout=self.default_timeout if timeout is None else timeout,
+            queue=self.default_queue if queue is None else queue,
+            priority=self.default_priority if priority is None else priority,
+        )
+        existing = self._routes.get(route.name)
+        if existing is not None:
+            raise ConfigurationError(
+                f"route name {route.name!r} is already used (for {existing.event_type!r}); "
+                "route names identify stored messages, so each must be unique: pass name=..."
+            )
+        self._routes[route.name] = route
+        self._by_event[event_type] = (*self._by_event.get(event_type, ()), route)
+        return route
+
+    def handler(
+        self,
+        event_type: str,
+        *,
+        name: str | None = None,
+        max_attempts: int | None = None,
+        timeout: float | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+    ) -> Callable[[F], F]:
+        """Decorator form of :meth:`route`; returns the function unchanged."""
+
+        def register(fn: F) -> F:
+            self.route(
+                event_type,
+                fn,
+                name=name,
+                max_attempts=max_attempts,
+                timeout=timeout,
+                queue=queue,
+                priority=priority,
+            )
+            return fn
+
+        return register
+
+    def routes_for(self, event_type: str) -> tuple[Route, ...]:
+        return self._by_event.get(event_type, ())
+
+    def get_route(self, name: str) -> Route:
+        try:
+            return self._routes[name]
+        except KeyError:
+            raise ConfigurationError(f"no route named {name!r}; known: {sorted(self._routes)}") from None
+
+    @property
+    def routes(self) -> tuple[Route, ...]:
+        return tuple(self._routes.values())
+
+    @property
+    def event_types(self) -> tuple[str, ...]:
+        return tuple(self._by_event)
+
+    def __iter__(self) -> Iterator[Route]:
+        return iter(self.routes)
+
+    # -- sessions -----------------------------------------------------------
+
+    def install(self, target: Any) -> None:
+        """Write this outbox's events from sessions made by ``target``.
+
+        ``target`` is a Session (sub)class, a ``sessionmaker``, a
+        ``scoped_session``, the ``AsyncSession`` class (or a subclass) or an
+        ``async_sessionmaker``. Installing the same target twice is harmless.
+        """
+        from ._install import install
+
+        install(self, target)
+
+    def uninstall(self, target: Any) -> None:
+        """Undo :meth:`install`; sessions from ``target`` can no longer emit."""
+        from ._install import uninstall
+
+        uninstall(self, target)

@@ -1,0 +1,101 @@
+"""Payload and header checks done at emit time, in the request, not later in the relay."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ._exceptions import InvalidEmitOption, PayloadError
+
+__all__ = ["DEFAULT_PAYLOAD_LIMIT", "check_headers", "serialise_payload"]
+
+DEFAULT_PAYLOAD_LIMIT = 64 * 1024
+
+
+def _path(parts: list[str]) -> str:
+    return "payload" + "".join(parts)
+
+
+def _find_unstorable(value: Any, parts: list[str]) -> str | None:
+    """Say where and why a value would not survive a JSON round trip unchanged."""
+    if value is None or isinstance(value, str | bool | int):
+        return None
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return None
+        return f"{_path(parts)} is {value!r}, which JSON cannot represent"
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return (
+                    f"{_path(parts)} has key {key!r} of type {type(key).__name__}; "
+                    "JSON object keys must be strings"
+                )
+            parts.append(f"[{key!r}]")
+            problem = _find_unstorable(item, parts)
+            parts.pop()
+            if problem:
+                return problem
+        return None
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            parts.append(f"[{index}]")
+            problem = _find_unstorable(item, parts)
+            parts.pop()
+            if problem:
+                return problem
+        return None
+    hint = ""
+    type_name = type(value).__name__
+    if type_name in {"datetime", "date", "time"}:
+        hint = " (store value.isoformat())"
+    elif type_name in {"UUID", "Decimal"}:
+        hint = " (store str(value))"
+    elif type_name in {"bytes", "bytearray", "memoryview"}:
+        hint = " (store base64 text, or better a reference to the data)"
+    return f"{_path(parts)} is a {type_name}, which is not JSON-serialisable{hint}"
+
+
+def serialise_payload(payload: Any, limit: int) -> str:
+    """Return the payload as compact JSON, or raise PayloadError saying what to fix."""
+    if not isinstance(payload, Mapping):
+        raise PayloadError(
+            f"payload must be a JSON object (a dict), got {type(payload).__name__}; "
+            "wrap it, e.g. {'value': ...}"
+        )
+    try:
+        problem = _find_unstorable(payload, [])
+    except RecursionError:
+        raise PayloadError("payload is nested too deeply to serialise") from None
+    if problem:
+        raise PayloadError(problem)
+    document = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    size = len(document.encode("utf-8"))
+    if size > limit:
+        raise PayloadError(
+            f"payload is {size} bytes as JSON, over the limit of {limit} bytes; store a "
+            "reference (an id, a URL) and load the data in the handler, or raise the limit "
+            "with Outbox(payload_limit=...)"
+        )
+    return document
+
+
+def check_headers(headers: Any) -> dict[str, str]:
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise InvalidEmitOption(f"headers must be a mapping of str to str, got {type(headers).__name__}")
+    checked: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidEmitOption(f"header names must be non-empty strings, got {name!r}")
+        if not isinstance(value, str):
+            raise InvalidEmitOption(
+                f"header {name!r} must have a str value, got {type(value).__name__}"
+            )
+        if any(ch in name + value for ch in "\r\n\x00"):
+            raise InvalidEmitOption(f"header {name!r} contains a line break or NUL character")
+        checked[name] = value
+    return checked

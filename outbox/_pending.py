@@ -1,0 +1,107 @@
+"""Which emitted events a session still owes the database, tracked per transaction.
+
+Events are buffered in the session and written in batches (after a flush, or
+just before a commit). Each buffered event remembers the transaction or
+savepoint it was emitted in (``tag``) and, once written, the one it was written
+in (``written_in``). When a savepoint or transaction rolls back:
+
+- events emitted inside it are dropped (they never happened);
+- events emitted outside it but written inside it are owed again, because the
+  database just discarded those rows.
+
+So an event is stored if and only if the transaction it was emitted in, and
+every enclosing one, commits; and a flush inside a savepoint can never lose an
+event of the enclosing transaction. Clearing the buffer on every rollback, as
+naive implementations do, would lose the outer transaction's events.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm import Session, SessionTransaction
+
+if TYPE_CHECKING:
+    from ._outbox import Outbox
+
+__all__ = ["PendingEvent", "SessionEvents", "events_of", "innermost"]
+
+_INFO_KEY = "_sqlalchemy_outbox_events"
+
+
+@dataclass(slots=True, eq=False)
+class PendingEvent:
+    outbox: Outbox
+    event_id: uuid.UUID
+    rows: list[dict[str, Any]]
+    aggregate: Any = None
+    tag: SessionTransaction | None = None
+    written_in: SessionTransaction | None = None
+
+
+def _within(transaction: SessionTransaction | None, scope: SessionTransaction) -> bool:
+    while transaction is not None:
+        if transaction is scope:
+            return True
+        transaction = transaction.parent
+    return False
+
+
+def _boundary(transaction: SessionTransaction) -> SessionTransaction:
+    """The savepoint or database transaction whose rollback the database performed."""
+    current: SessionTransaction | None = transaction
+    while current is not None:
+        if current.nested or current.parent is None:
+            return current
+        current = current.parent
+    return transaction
+
+
+def innermost(session: Session) -> SessionTransaction | None:
+    """The transaction a statement would run in now: the open savepoint, else the root."""
+    return session.get_nested_transaction() or session.get_transaction()
+
+
+@dataclass(slots=True)
+class SessionEvents:
+    """The buffer of one session; lives in ``session.info``."""
+
+    events: list[PendingEvent] = field(default_factory=list)
+
+    def add(self, event: PendingEvent) -> None:
+        self.events.append(event)
+
+    def unwritten(self) -> list[PendingEvent]:
+        return [event for event in self.events if event.written_in is None]
+
+    def written(self) -> list[PendingEvent]:
+        return [event for event in self.events if event.written_in is not None]
+
+    def adopt(self, root: SessionTransaction) -> None:
+        """Events emitted before any transaction began belong to the first one."""
+        for event in self.events:
+            if event.tag is None:
+                event.tag = root
+
+    def rolled_back(self, transaction: SessionTransaction) -> None:
+        scope = _boundary(transaction)
+        kept = []
+        for event in self.events:
+            if _within(event.tag, scope):
+                continue
+            if event.written_in is not None and _within(event.written_in, scope):
+                event.written_in = None
+            kept.append(event)
+        self.events = kept
+
+    def ended(self, root: SessionTransaction) -> None:
+        self.events = [event for event in self.events if not _within(event.tag, root)]
+
+
+def events_of(session: Session, *, create: bool = True) -> SessionEvents | None:
+    state = session.info.get(_INFO_KEY)
+    if state is None and create:
+        state = session.info[_INFO_KEY] = SessionEvents()
+    return state

@@ -1,0 +1,92 @@
+"""Routes: which handler receives which event type, and with what delivery options."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ._exceptions import ConfigurationError
+
+__all__ = ["Route", "check_name", "handler_name"]
+
+_NAME_LIMIT = 255
+_NAME = re.compile(r"^[^\s\x00-\x1f\x7f]+$")
+
+
+def check_name(what: str, value: object) -> str:
+    """Names end up in indexed columns and log lines: short, printable, no spaces."""
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"{what} must be a non-empty string, got {value!r}")
+    if len(value) > _NAME_LIMIT:
+        raise ConfigurationError(f"{what} must be at most {_NAME_LIMIT} characters, got {len(value)}")
+    if not _NAME.match(value):
+        raise ConfigurationError(f"{what} must not contain whitespace or control characters: {value!r}")
+    return value
+
+
+def handler_name(handler: Any) -> str:
+    """A default route name that survives restarts: the function's import path.
+
+    Handler objects (a WebhookHandler, say) have no meaningful import path of
+    their own, so routes to them must be named explicitly.
+    """
+    module = getattr(handler, "__module__", None)
+    qualname = getattr(handler, "__qualname__", None)
+    if callable(handler) and module and qualname and "<" not in qualname:
+        return f"{module}.{qualname}"
+    raise ConfigurationError(
+        f"cannot derive a stable route name for {handler!r}; pass name=... "
+        "(the name is stored with every message, so it must not change between deploys)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One subscription: messages of ``event_type`` go to ``handler`` under ``name``.
+
+    ``name`` is what the ``handler`` column stores and what relays claim by, so
+    renaming a route strands its pending messages; keep it stable.
+    """
+
+    event_type: str
+    name: str
+    handler: Any
+    max_attempts: int
+    timeout: float
+    queue: str
+    priority: int
+
+    def __post_init__(self) -> None:
+        check_name("event type", self.event_type)
+        check_name("route name", self.name)
+        check_name("queue", self.queue)
+        if not callable(self.handler):
+            raise ConfigurationError(f"route {self.name!r}: handler {self.handler!r} is not callable")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ConfigurationError(f"route {self.name!r}: max_attempts must be an int")
+        if self.max_attempts < 1:
+            raise ConfigurationError(
+                f"route {self.name!r}: max_attempts must be at least 1, got {self.max_attempts}"
+            )
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, int | float)
+            or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise ConfigurationError(
+                f"route {self.name!r}: timeout must be a positive number of seconds, got {self.timeout!r}"
+            )
+        check_priority(self.priority, f"route {self.name!r}: priority", ConfigurationError)
+
+
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+def check_priority(value: object, what: str, error: type[Exception]) -> int:
+    low, high = PRIORITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise error(f"{what} must be an int between {low} and {high} (lower runs first), got {value!r}")
+    return value

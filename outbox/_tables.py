@@ -1,0 +1,154 @@
+"""The two documented tables. Operators query these with plain SQL; keep names stable.
+
+The migrations in the ``outbox`` Alembic branch create exactly this schema (a
+test compares the two); database-side rules that SQLAlchemy metadata cannot
+express (the append-only trigger on ``outbox_attempt``, the NOTIFY trigger on
+``outbox_message``) live in the migrations.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from sqlalchemy import (
+    CheckConstraint,
+    Column,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    Uuid,
+    literal_column,
+    text,
+)
+
+from ._types import JSONDocument, RowId, UTCDateTime
+
+__all__ = [
+    "ATTEMPT_OUTCOMES",
+    "MESSAGE_STATUSES",
+    "metadata",
+    "outbox_attempt",
+    "outbox_message",
+]
+
+MESSAGE_STATUSES: Final = ("pending", "running", "delivered", "dead", "discarded")
+ATTEMPT_OUTCOMES: Final = (
+    "delivered",
+    "retry",
+    "failed",
+    "dead",
+    "timeout",
+    "lease_expired",
+    "requeued",
+    "discarded",
+)
+
+#: Deterministic constraint names, so migrations and autogenerate agree on them.
+NAMING_CONVENTION: Final = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+_PENDING = text("status = 'pending'")
+_RUNNING = text("status = 'running'")
+
+outbox_message = Table(
+    "outbox_message",
+    metadata,
+    Column("id", RowId, Identity(), primary_key=True),
+    Column("event_id", Uuid(), nullable=False),
+    Column("event_type", String(255), nullable=False),
+    Column("handler", String(255), nullable=False),
+    Column("queue", String(255), nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("payload", JSONDocument, nullable=False),
+    Column("headers", JSONDocument, nullable=False),
+    Column("aggregate_type", String(255)),
+    Column("aggregate_id", String(255)),
+    Column("idempotency_key", String(255)),
+    Column("group_key", String(255)),
+    Column("status", String(16), nullable=False, server_default=literal_column("'pending'")),
+    Column("attempts", Integer, nullable=False, server_default=literal_column("0")),
+    Column("max_attempts", Integer, nullable=False),
+    Column("available_at", UTCDateTime, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Column("locked_by", String(255)),
+    Column("locked_until", UTCDateTime),
+    Column("delivered_at", UTCDateTime),
+    Column("last_error", Text),
+    Column("requeued_from", RowId, ForeignKey("outbox_message.id")),
+    UniqueConstraint("handler", "idempotency_key"),
+    CheckConstraint(_one_of("status", MESSAGE_STATUSES), name="status"),
+    CheckConstraint("attempts >= 0", name="attempts"),
+    CheckConstraint("max_attempts >= 1", name="max_attempts"),
+    # The relay's claim: due pending rows of its queues, lowest priority first, then oldest.
+    Index(
+        "ix_outbox_message_claim",
+        "queue",
+        "priority",
+        "id",
+        postgresql_where=_PENDING,
+        sqlite_where=_PENDING,
+    ),
+    # Lease recovery: running rows whose lease ran out.
+    Index(
+        "ix_outbox_message_lease",
+        "locked_until",
+        postgresql_where=_RUNNING,
+        sqlite_where=_RUNNING,
+    ),
+    # Per-group ordering: is an earlier message of this group still unfinished?
+    Index(
+        "ix_outbox_message_group",
+        "handler",
+        "group_key",
+        "id",
+        postgresql_where=text("group_key IS NOT NULL"),
+        sqlite_where=text("group_key IS NOT NULL"),
+    ),
+    Index("ix_outbox_message_status_handler", "status", "handler"),
+    Index("ix_outbox_message_event_id", "event_id"),
+    Index("ix_outbox_message_aggregate", "aggregate_type", "aggregate_id"),
+    sqlite_autoincrement=True,
+)
+
+outbox_attempt = Table(
+    "outbox_attempt",
+    metadata,
+    Column("id", RowId, Identity(), primary_key=True),
+    # No foreign key on purpose: retention may purge old messages while their
+    # history is kept for longer, and history must never block or cascade.
+    Column("message_id", RowId, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("outcome", String(16), nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime),
+    Column("duration_ms", Integer),
+    Column("relay_id", String(255)),
+    Column("error_type", String(255)),
+    Column("error", Text),
+    Column("detail", JSONDocument),
+    Column("actor", String(255)),
+    Column("reason", Text),
+    CheckConstraint(_one_of("outcome", ATTEMPT_OUTCOMES), name="outcome"),
+    Index("ix_outbox_attempt_message_id", "message_id", "attempt"),
+    Index("ix_outbox_attempt_started_at", "started_at"),
+    sqlite_autoincrement=True,
+)

@@ -1,0 +1,1 @@
+"""Relay (filled in by the relay work)."""
