@@ -1,4 +1,5 @@
-from outbox._cli import main
 import sys
+
+from outbox._cli import main
 
 sys.exit(main())

@@ -57,7 +57,7 @@ def _resolve(target: Any) -> type[Session]:
     if isinstance(target, scoped_session):
         target = target.session_factory
     if isinstance(target, sessionmaker):
-        return target.class_  # type: ignore[no-any-return]
+        return target.class_
     if isinstance(target, type):
         if issubclass(target, Session):
             return target

@@ -37,7 +37,9 @@ class Outbox:
         default_priority: int = DEFAULT_PRIORITY,
     ) -> None:
         if isinstance(payload_limit, bool) or not isinstance(payload_limit, int) or payload_limit < 1:
-            raise ConfigurationError(f"payload_limit must be a positive number of bytes, got {payload_limit!r}")
+            raise ConfigurationError(
+                f"payload_limit must be a positive number of bytes, got {payload_limit!r}"
+            )
         self.payload_limit = payload_limit
         self.default_max_attempts = default_max_attempts
         self.default_timeout = default_timeout

@@ -37,10 +37,10 @@ class UTCDateTime(TypeDecorator[datetime]):
             raise TypeError(f"expected a datetime, got {type(value).__name__}")
         if value.tzinfo is None:
             raise ValueError("naive datetimes are ambiguous here; pass an aware (UTC) datetime")
-        value = value.astimezone(UTC)
+        aware: datetime = value.astimezone(UTC)
         if dialect.name == "sqlite":
-            return value.replace(tzinfo=None)
-        return value
+            return aware.replace(tzinfo=None)
+        return aware
 
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
