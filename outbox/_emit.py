@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 import uuid
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from . import signals
@@ -16,6 +15,9 @@ from ._install import outbox_for
 from ._payload import check_headers, serialise_payload
 from ._pending import PendingEvent, events_of, innermost
 from ._routes import check_priority
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
 
 __all__ = ["emit"]
 
@@ -62,10 +64,12 @@ def _check_queue(queue: Any) -> str | None:
 
 
 def _sync(session: Session | AsyncSession) -> Session:
-    if isinstance(session, AsyncSession):
-        return session.sync_session
+    # Duck-typed so applications without greenlet never import sqlalchemy.ext.asyncio.
     if isinstance(session, Session):
         return session
+    sync_session = getattr(session, "sync_session", None)
+    if isinstance(sync_session, Session):
+        return sync_session
     raise TypeError(f"emit() needs a Session or AsyncSession, got {type(session).__name__}")
 
 

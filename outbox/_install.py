@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session, sessionmaker
 
 from . import signals
@@ -34,7 +33,7 @@ _TARGETS = (
 )
 
 
-def _sync_class_of_async_maker(maker: async_sessionmaker[Any]) -> type[Session]:
+def _sync_class_of_async_maker(maker: Any) -> type[Session]:
     """An async_sessionmaker makes plain AsyncSessions; give it a sync class of its own.
 
     Without that, its sessions would share the global ``Session`` class and an
@@ -50,10 +49,24 @@ def _sync_class_of_async_maker(maker: async_sessionmaker[Any]) -> type[Session]:
 
 
 def _resolve(target: Any) -> type[Session]:
+    try:  # asyncio support needs greenlet; sync-only applications may not have it
+        from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
+    except ImportError:
+        return _resolve_sync(target)
     if isinstance(target, async_scoped_session):
         target = target.session_factory
     if isinstance(target, async_sessionmaker):
         return _sync_class_of_async_maker(target)
+    if isinstance(target, type) and issubclass(target, AsyncSession):
+        return target.sync_session_class
+    if isinstance(target, AsyncSession):
+        raise ConfigurationError(
+            f"install() takes a session factory, not a session instance: pass {_TARGETS}"
+        )
+    return _resolve_sync(target)
+
+
+def _resolve_sync(target: Any) -> type[Session]:
     if isinstance(target, scoped_session):
         target = target.session_factory
     if isinstance(target, sessionmaker):
@@ -61,9 +74,7 @@ def _resolve(target: Any) -> type[Session]:
     if isinstance(target, type):
         if issubclass(target, Session):
             return target
-        if issubclass(target, AsyncSession):
-            return target.sync_session_class
-    if isinstance(target, Session | AsyncSession):
+    if isinstance(target, Session):
         raise ConfigurationError(
             f"install() takes a session factory, not a session instance: pass {_TARGETS}"
         )
