@@ -31,6 +31,7 @@ _TARGETS = (
     "a Session class, a sessionmaker, a scoped_session, "
     "the AsyncSession class (or a subclass) or an async_sessionmaker"
 )
+_NOT_AN_INSTANCE = f"install() takes a session factory, not a session instance: pass {_TARGETS}"
 
 
 def _sync_class_of_async_maker(maker: Any) -> type[Session]:
@@ -60,9 +61,7 @@ def _resolve(target: Any) -> type[Session]:
     if isinstance(target, type) and issubclass(target, AsyncSession):
         return target.sync_session_class
     if isinstance(target, AsyncSession):
-        raise ConfigurationError(
-            f"install() takes a session factory, not a session instance: pass {_TARGETS}"
-        )
+        raise ConfigurationError(_NOT_AN_INSTANCE)
     return _resolve_sync(target)
 
 
@@ -75,9 +74,7 @@ def _resolve_sync(target: Any) -> type[Session]:
         if issubclass(target, Session):
             return target
     if isinstance(target, Session):
-        raise ConfigurationError(
-            f"install() takes a session factory, not a session instance: pass {_TARGETS}"
-        )
+        raise ConfigurationError(_NOT_AN_INSTANCE)
     raise ConfigurationError(f"cannot install an Outbox on {target!r}; pass {_TARGETS}")
 
 
