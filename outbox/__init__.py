@@ -6,6 +6,7 @@ and an append-only audit of every attempt.
 """
 
 from . import signals
+from ._backoff import Backoff
 from ._emit import emit
 from ._exceptions import (
     ConfigurationError,
@@ -26,6 +27,7 @@ from ._routes import Route
 from ._tables import ATTEMPT_OUTCOMES, MESSAGE_STATUSES, metadata, outbox_attempt, outbox_message
 
 __all__ = [
+    "Backoff",
     "ATTEMPT_OUTCOMES",
     "MESSAGE_STATUSES",
     "ConfigurationError",

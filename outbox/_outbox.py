@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._payload import DEFAULT_PAYLOAD_LIMIT
 from ._routes import Route, check_name, check_priority, handler_name
@@ -35,6 +36,7 @@ class Outbox:
         default_timeout: float = DEFAULT_TIMEOUT,
         default_queue: str = DEFAULT_QUEUE,
         default_priority: int = DEFAULT_PRIORITY,
+        default_backoff: Backoff | None = None,
     ) -> None:
         if isinstance(payload_limit, bool) or not isinstance(payload_limit, int) or payload_limit < 1:
             raise ConfigurationError(
@@ -45,6 +47,7 @@ class Outbox:
         self.default_timeout = default_timeout
         self.default_queue = check_name("default_queue", default_queue)
         self.default_priority = check_priority(default_priority, "default_priority", ConfigurationError)
+        self.default_backoff = Backoff() if default_backoff is None else default_backoff
         self._routes: dict[str, Route] = {}
         self._by_event: dict[str, tuple[Route, ...]] = {}
 
@@ -63,6 +66,7 @@ class Outbox:
         timeout: float | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        backoff: Backoff | None = None,
     ) -> Route:
         """Subscribe ``handler`` to ``event_type``; every emit then stores one message for it."""
         route = Route(
@@ -73,6 +77,7 @@ class Outbox:
             timeout=self.default_timeout if timeout is None else timeout,
             queue=self.default_queue if queue is None else queue,
             priority=self.default_priority if priority is None else priority,
+            backoff=self.default_backoff if backoff is None else backoff,
         )
         existing = self._routes.get(route.name)
         if existing is not None:
@@ -93,6 +98,7 @@ class Outbox:
         timeout: float | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        backoff: Backoff | None = None,
     ) -> Callable[[F], F]:
         """Decorator form of :meth:`route`; returns the function unchanged."""
 
@@ -105,6 +111,7 @@ class Outbox:
                 timeout=timeout,
                 queue=queue,
                 priority=priority,
+                backoff=backoff,
             )
             return fn
 

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 
 __all__ = ["Route", "check_name", "handler_name"]
@@ -57,6 +58,7 @@ class Route:
     timeout: float
     queue: str
     priority: int
+    backoff: Backoff = Backoff()
 
     def __post_init__(self) -> None:
         check_name("event type", self.event_type)
@@ -80,6 +82,10 @@ class Route:
                 f"route {self.name!r}: timeout must be a positive number of seconds, got {self.timeout!r}"
             )
         check_priority(self.priority, f"route {self.name!r}: priority", ConfigurationError)
+        if not isinstance(self.backoff, Backoff):
+            raise ConfigurationError(
+                f"route {self.name!r}: backoff must be an outbox.Backoff, got {self.backoff!r}"
+            )
 
 
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pgcluster
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
@@ -29,12 +30,32 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def pg_template() -> Iterator[str]:
+def pg_base_url() -> Iterator[str]:
+    """The server PostgreSQL tests create their databases on.
+
+    ``OUTBOX_TEST_DATABASE_URL`` when set (CI sets it); otherwise a throwaway
+    cluster when ``pg_ctl`` is on the PATH; otherwise PostgreSQL tests skip
+    locally and fail in CI.
+    """
     url = os.environ.get(PG_ENV)
-    if not url:
-        if os.environ.get("CI"):
-            pytest.fail(f"{PG_ENV} must be set in CI")
-        pytest.skip(f"set {PG_ENV} to run PostgreSQL tests")
+    if url:
+        yield url
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{PG_ENV} must be set in CI")
+    if not pgcluster.available():
+        pytest.skip(f"set {PG_ENV} (or put pg_ctl on the PATH) to run PostgreSQL tests")
+    cluster = pgcluster.Cluster()
+    cluster.start()
+    try:
+        yield cluster.url
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def pg_template(pg_base_url: str) -> Iterator[str]:
+    url = pg_base_url
     admin = create_engine(url, isolation_level="AUTOCOMMIT")
     name = f"outbox_template_{os.getpid()}"
     with admin.connect() as conn:
@@ -56,8 +77,12 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         shutil.copy(template, path)
         yield f"sqlite:///{path}"
         return
-    template = request.getfixturevalue("pg_template")
-    base = os.environ[PG_ENV]
+    yield from _fresh_pg_database(
+        request.getfixturevalue("pg_base_url"), request.getfixturevalue("pg_template")
+    )
+
+
+def _fresh_pg_database(base: str, template: str) -> Iterator[str]:
     name = f"outbox_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(base, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
@@ -66,6 +91,19 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_base_url: str, pg_template: str) -> Iterator[str]:
+    """A freshly migrated PostgreSQL database, for behaviour only PostgreSQL has (LISTEN, EXPLAIN, locks)."""
+    yield from _fresh_pg_database(pg_base_url, pg_template)
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[Engine]:
+    eng = create_engine(pg_url)
+    yield eng
+    eng.dispose()
 
 
 @pytest.fixture
