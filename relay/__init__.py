@@ -1,1 +1,9 @@
-"""Relay (filled in by the relay work)."""
+"""The relay: claims committed outbox messages and delivers them to their handlers.
+
+Importing this package is what an emitting application never has to do; the
+``outbox-relay`` command and :class:`Relay` live here.
+"""
+
+from .worker import DatabaseUnavailable, DrainResult, Relay
+
+__all__ = ["DatabaseUnavailable", "DrainResult", "Relay"]

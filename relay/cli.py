@@ -1,0 +1,207 @@
+"""The ``outbox-relay`` command.
+
+Every flag has an ``OUTBOX_*`` environment variable (``--database-url`` reads
+``OUTBOX_DATABASE_URL``, ``--queue`` reads a comma-separated ``OUTBOX_QUEUES``).
+
+Exit codes: 0 stopped cleanly (or ``--once`` drained), 1 the database could not
+be reached or the tables are missing, 2 bad usage or an ``--app`` that cannot be
+loaded. User mistakes get one line on stderr, never a traceback.
+
+Signals: the first SIGTERM or SIGINT stops claiming and lets in-flight
+deliveries finish within ``--grace-period``; a second one cancels them. In a
+container, start the relay with ``exec`` so the signal reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from outbox import ConfigurationError, Outbox
+
+from .logs import configure
+from .worker import DatabaseUnavailable, Relay
+
+__all__ = ["load_app", "main"]
+
+PROG = "outbox-relay"
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(f"OUTBOX_{name}") or None
+
+
+def _number(kind: Callable[[str], Any], low: float, inclusive: bool = False) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if number < low or (number == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Deliver committed outbox messages to the handlers an Outbox routes them to.",
+    )
+    p.add_argument(
+        "--app", default=_env("APP"), help="the Outbox to serve, as module:attribute ($OUTBOX_APP)"
+    )
+    p.add_argument(
+        "--database-url", default=_env("DATABASE_URL"), help="SQLAlchemy URL ($OUTBOX_DATABASE_URL)"
+    )
+    queues = _env("QUEUES")
+    p.add_argument(
+        "--queue",
+        action="append",
+        dest="queues",
+        default=None,
+        help="serve only this queue; repeat for several (default: every queue; $OUTBOX_QUEUES)",
+    )
+    p.set_defaults(env_queues=[q.strip() for q in queues.split(",") if q.strip()] if queues else None)
+    p.add_argument(
+        "--concurrency",
+        type=_number(int, 1, inclusive=True),
+        default=_env("CONCURRENCY") or 10,
+        help="deliveries at once (default: 10)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_number(int, 1, inclusive=True),
+        default=_env("BATCH_SIZE"),
+        help="messages per claim (default: the concurrency)",
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=_number(float, 0),
+        default=_env("POLL_INTERVAL") or 1.0,
+        help="seconds between claims when no wake-up arrives (default: 1)",
+    )
+    p.add_argument(
+        "--lease",
+        type=_number(float, 0),
+        default=_env("LEASE") or 30.0,
+        help="seconds a claim lasts unless renewed; a crashed relay's claims return after it (default: 30)",
+    )
+    p.add_argument(
+        "--grace-period",
+        type=_number(float, 0, inclusive=True),
+        default=_env("GRACE_PERIOD") or 30.0,
+        help="seconds in-flight deliveries get to finish after SIGTERM (default: 30)",
+    )
+    p.add_argument(
+        "--group-policy",
+        choices=("block", "skip"),
+        default=_env("GROUP_POLICY") or "block",
+        help="what a dead message does to the rest of its group (default: block)",
+    )
+    p.add_argument("--relay-id", default=_env("RELAY_ID"), help="name recorded in locks and history")
+    p.add_argument(
+        "--no-listen",
+        action="store_true",
+        default=bool(_env("NO_LISTEN")),
+        help="poll only, no LISTEN/NOTIFY (for pgbouncer in transaction pooling mode)",
+    )
+    p.add_argument("--once", action="store_true", help="deliver what is due now, then exit")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default=(_env("LOG_LEVEL") or "INFO").upper(),
+    )
+    p.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT") or "text")
+    return p
+
+
+def load_app(spec: str) -> Outbox:
+    """Import ``module:attribute`` (the attribute may also be a function returning the Outbox)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ConfigurationError(
+            f"--app must look like module:attribute (e.g. myapp.outbox:ob), got {spec!r}"
+        )
+    # Like `python -m`, resolve the application from the working directory.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"--app {spec}: cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:
+        raise ConfigurationError(
+            f"--app {spec}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from None
+    target: Any = module
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigurationError(
+                f"--app {spec}: {module_name!r} has no attribute {attribute!r}"
+            ) from None
+    if not isinstance(target, Outbox) and callable(target):
+        target = target()
+    if not isinstance(target, Outbox):
+        raise ConfigurationError(f"--app {spec} is a {type(target).__name__}, not an outbox.Outbox")
+    return target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.app:
+        parser.error("--app is required (or set OUTBOX_APP)")
+    if not args.database_url:
+        parser.error("--database-url is required (or set OUTBOX_DATABASE_URL)")
+    try:
+        make_url(args.database_url)
+    except ArgumentError:
+        parser.error(f"--database-url {args.database_url!r} is not a SQLAlchemy database URL")
+    configure(args.log_level, args.log_format)
+    try:
+        ob = load_app(args.app)
+        relay = Relay(
+            ob,
+            args.database_url,
+            queues=args.queues or args.env_queues,
+            concurrency=int(args.concurrency),
+            batch_size=None if args.batch_size is None else int(args.batch_size),
+            poll_interval=float(args.poll_interval),
+            lease=float(args.lease),
+            grace_period=float(args.grace_period),
+            listen=not args.no_listen,
+            group_policy=args.group_policy,
+            relay_id=args.relay_id,
+        )
+    except ConfigurationError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.once:
+            result = relay.run_until_idle()
+            print(
+                f"{PROG}: delivered {result.delivered}, retrying {result.retried}, dead {result.dead}",
+                file=sys.stderr,
+            )
+        else:
+            relay.run(install_signal_handlers=True)
+    except DatabaseUnavailable as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

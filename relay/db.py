@@ -1,0 +1,124 @@
+"""Connections: the relay's engine, and the dedicated LISTEN connection on PostgreSQL.
+
+NOTIFY is only a wake-up hint; polling is what guarantees delivery. The LISTEN
+connection is therefore never pooled and never trusted blindly: it waits for
+notifications with a timeout, checks the socket with a query when nothing
+arrived, and on any error reconnects with capped backoff. After every
+(re)LISTEN it asks the worker for a catch-up claim, because anything committed
+while it was not listening sent its NOTIFY to nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import create_engine
+from sqlalchemy.engine import URL, Engine, make_url
+
+from outbox import ConfigurationError
+
+__all__ = ["CHANNEL", "Listener", "make_engine", "supports_listen"]
+
+CHANNEL = "outbox"
+
+log = logging.getLogger("outbox.relay")
+
+
+def make_engine(target: Engine | str | URL) -> Engine:
+    """The caller's engine as is, or one built from a URL with settings a long-lived process needs."""
+    if isinstance(target, Engine):
+        return target
+    try:
+        url = make_url(target)
+    except Exception as exc:  # sqlalchemy raises ArgumentError with a decent message
+        raise ConfigurationError(f"invalid database URL: {exc}") from None
+    try:
+        # pre-ping: after a server restart the pool hands out a live connection,
+        # not a dead one that fails the next claim.
+        return create_engine(url, pool_pre_ping=True)
+    except Exception as exc:
+        raise ConfigurationError(f"cannot use database URL {url.render_as_string()}: {exc}") from None
+
+
+def supports_listen(engine: Engine) -> bool:
+    return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
+
+
+def _connect_kwargs(engine: Engine) -> dict[str, Any]:
+    _, params = engine.dialect.create_connect_args(engine.url)
+    kwargs = dict(params)
+    # Keep-alives make the kernel notice a dead peer on an idle LISTEN socket.
+    kwargs.setdefault("keepalives", 1)
+    kwargs.setdefault("keepalives_idle", 30)
+    kwargs.setdefault("keepalives_interval", 10)
+    kwargs.setdefault("keepalives_count", 3)
+    kwargs.setdefault("connect_timeout", 10)
+    kwargs.setdefault("application_name", "outbox-relay listen")
+    return kwargs
+
+
+class Listener:
+    """Runs until cancelled: LISTEN, call ``on_notify`` for every wake-up, reconnect on failure."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        on_notify: Callable[[], None],
+        on_listening: Callable[[], None],
+        check_interval: float = 10.0,
+        max_backoff: float = 30.0,
+    ) -> None:
+        self._kwargs = _connect_kwargs(engine)
+        self._on_notify = on_notify
+        self._on_listening = on_listening
+        self._check_interval = check_interval
+        self._max_backoff = max_backoff
+        self.connected = asyncio.Event()
+        self.backend_pid: int | None = None
+
+    async def run(self) -> None:
+        import psycopg
+
+        failures = 0
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(autocommit=True, **self._kwargs)
+            except psycopg.Error as exc:
+                failures += 1
+                await self._pause(failures, "connect", exc)
+                continue
+            try:
+                async with conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    self.backend_pid = conn.info.backend_pid
+                    if failures:
+                        log.info("listening again after %d failure(s)", failures, extra={"action": "listen"})
+                    failures = 0
+                    self.connected.set()
+                    self._on_listening()
+                    while True:
+                        async for _ in conn.notifies(timeout=self._check_interval):
+                            self._on_notify()
+                        # Quiet for a while: prove the socket is alive, or fail into a reconnect.
+                        await conn.execute("SELECT 1")
+            except psycopg.Error as exc:
+                self.connected.clear()
+                self.backend_pid = None
+                failures += 1
+                await self._pause(failures, "lost", exc)
+
+    async def _pause(self, failures: int, what: str, exc: Exception) -> None:
+        delay = min(self._max_backoff, 0.25 * 2 ** min(failures - 1, 10))
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning(
+            "LISTEN connection %s (%s); retrying in %.1fs, polling meanwhile",
+            "failed" if what == "connect" else "lost",
+            reason,
+            delay,
+            extra={"action": "listen_retry", "failures": failures},
+        )
+        await asyncio.sleep(delay)

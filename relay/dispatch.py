@@ -1,0 +1,155 @@
+"""One attempt: call the route's handler under its timeout and classify what happened.
+
+Knows nothing of SQL; it turns a claimed row into a :class:`~outbox.Message`,
+runs the handler, and returns a :class:`~outbox.relay.store.Completion` that the
+worker writes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import random
+import time
+from collections.abc import Iterable
+from concurrent.futures import Executor
+from typing import Any
+
+from outbox import Message, PermanentError, RetryLater, Route
+
+from .redact import Redactor
+from .store import Completion, utcnow
+
+__all__ = ["attempt", "is_async_handler", "to_message"]
+
+_ERROR_LIMIT = 2000
+
+
+def to_message(row: Any) -> Message:
+    return Message(
+        id=row.id,
+        event_id=row.event_id,
+        event_type=row.event_type,
+        handler=row.handler,
+        payload=row.payload,
+        headers=dict(row.headers or {}),
+        key=row.idempotency_key,
+        group_key=row.group_key,
+        attempt=row.attempts,
+        aggregate_type=row.aggregate_type,
+        aggregate_id=row.aggregate_id,
+        created_at=row.created_at,
+    )
+
+
+def is_async_handler(handler: Any) -> bool:
+    if inspect.iscoroutinefunction(handler):
+        return True
+    call = getattr(handler, "__call__", None)  # noqa: B004 - objects with an async __call__
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+async def _invoke(handler: Any, message: Message, executor: Executor) -> None:
+    if is_async_handler(handler):
+        await handler(message)
+        return
+    loop = asyncio.get_running_loop()
+    context = contextvars.copy_context()
+    result = await loop.run_in_executor(executor, functools.partial(context.run, handler, message))
+    if inspect.isawaitable(result):
+        await result
+
+
+def _describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    text = redactor.text(str(exc) or kind.__name__)
+    if len(text) > _ERROR_LIMIT:
+        text = text[: _ERROR_LIMIT - 1] + "…"
+    return name, text
+
+
+async def attempt(
+    route: Route,
+    row: Any,
+    *,
+    executor: Executor,
+    redactor: Redactor,
+    rng: random.Random,
+) -> tuple[Message, Completion]:
+    """Run one delivery attempt; never raises except on cancellation of the relay itself."""
+    message = to_message(row)
+    started = utcnow()
+    clock = time.monotonic()
+    outcome, status, retry_in = "delivered", "delivered", 0.0
+    error_type: str | None = None
+    error: str | None = None
+    detail: dict[str, Any] | None = None
+    last = message.attempt >= row.max_attempts
+    try:
+        await asyncio.wait_for(_invoke(route.handler, message, executor), timeout=route.timeout)
+    except TimeoutError:
+        outcome = "timeout"
+        error_type = "TimeoutError"
+        error = f"handler did not finish within {route.timeout:g}s"
+    except RetryLater as exc:
+        outcome = "retry"
+        error_type, error = _describe(exc, redactor)
+        if exc.delay is not None:
+            retry_in = exc.delay
+        detail = _detail_of(exc, redactor)
+    except PermanentError as exc:
+        outcome = "dead"
+        error_type, error = _describe(exc, redactor)
+        detail = _detail_of(exc, redactor)
+    except Exception as exc:
+        outcome = "failed"
+        error_type, error = _describe(exc, redactor)
+        detail = _detail_of(exc, redactor)
+    if outcome == "delivered":
+        pass
+    elif outcome == "dead" or last:
+        status = "dead"
+        if outcome != "dead":
+            detail = {**(detail or {}), "exhausted": True, "last_outcome": outcome}
+            outcome = "dead"
+    else:
+        status = "pending"
+        if retry_in == 0.0:
+            retry_in = route.backoff.delay(message.attempt, rng)
+    finished = utcnow()
+    # monotonic duration is the honest one; wall-clock stamps only place it in time.
+    duration = time.monotonic() - clock
+    detail = {**(detail or {}), "duration_s": round(duration, 6)} if detail else None
+    return message, Completion(
+        message_id=message.id,
+        attempt=message.attempt,
+        outcome=outcome,
+        status=status,
+        started_at=started,
+        finished_at=finished,
+        retry_in=retry_in,
+        error_type=error_type,
+        error=error,
+        detail=detail,
+    )
+
+
+def _detail_of(exc: BaseException, redactor: Redactor) -> dict[str, Any] | None:
+    """Handlers attach structured facts (HTTP status, SMTP code) as ``exc.detail``."""
+    detail = getattr(exc, "detail", None)
+    if isinstance(detail, dict):
+        return redactor.mapping(detail)
+    return None
+
+
+def secrets_of(handlers: Iterable[Any]) -> list[str]:
+    """Secret strings a handler declares (``outbox_secrets()``), to scrub from errors and logs."""
+    found: list[str] = []
+    for handler in handlers:
+        provider = getattr(handler, "outbox_secrets", None)
+        if callable(provider):
+            found.extend(s for s in provider() if isinstance(s, str) and s)
+    return found

@@ -1,0 +1,404 @@
+"""Every query the relay runs, in one place, for PostgreSQL and SQLite.
+
+The statements are the same on both databases; only "now" differs. On
+PostgreSQL it is the server's clock (``now()``), the same clock the write side
+stamps ``available_at`` with, so app-server and relay-host clock skew cannot
+delay or hasten a delivery. SQLite has no server, so the relay's own UTC clock
+is used there.
+
+On PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets any number of relays claim from
+one table without waiting on or double-claiming each other's rows. SQLite
+ignores row locks; it serialises writers, and one relay process at a time is
+the documented limit there.
+
+Methods are synchronous and short; the worker runs them in threads.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import (
+    ColumnElement,
+    Interval,
+    Row,
+    and_,
+    bindparam,
+    exists,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+
+from outbox import Backoff, outbox_attempt, outbox_message
+
+__all__ = ["Completion", "GroupPolicy", "Store"]
+
+GroupPolicy = Literal["block", "skip"]
+
+m = outbox_message
+a = outbox_attempt
+
+#: Columns a claim returns: everything a handler's Message needs.
+_CLAIMED = (
+    m.c.id,
+    m.c.event_id,
+    m.c.event_type,
+    m.c.handler,
+    m.c.queue,
+    m.c.priority,
+    m.c.payload,
+    m.c.headers,
+    m.c.idempotency_key,
+    m.c.group_key,
+    m.c.attempts,
+    m.c.max_attempts,
+    m.c.aggregate_type,
+    m.c.aggregate_id,
+    m.c.created_at,
+)
+
+
+@dataclass(slots=True)
+class Completion:
+    """The result of one attempt, written back in batches by :meth:`Store.complete`."""
+
+    message_id: int
+    attempt: int
+    outcome: str  # an ATTEMPT_OUTCOMES value
+    status: str  # the message's next status: delivered, pending (retry) or dead
+    started_at: datetime
+    finished_at: datetime
+    retry_in: float = 0.0
+    error_type: str | None = None
+    error: str | None = None
+    detail: dict[str, Any] | None = field(default=None)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Store:
+    def __init__(self, engine: Engine, relay_id: str, *, lease: float, group_policy: GroupPolicy) -> None:
+        self.engine = engine
+        self.relay_id = relay_id
+        self.lease = timedelta(seconds=lease)
+        self.group_policy = group_policy
+        self.server_clock = engine.dialect.name == "postgresql"
+
+    # -- clock ----------------------------------------------------------------
+
+    def _now(self) -> ColumnElement[datetime]:
+        if self.server_clock:
+            return func.now()
+        return literal(utcnow(), type_=m.c.available_at.type)
+
+    def _later(self, param: str) -> ColumnElement[datetime]:
+        """ "now" plus a per-row interval bound under ``param`` (a timedelta)."""
+        if self.server_clock:
+            return func.now() + bindparam(param, type_=Interval())
+        # SQLite: the caller binds the absolute time under the same name.
+        return bindparam(param, type_=m.c.available_at.type)
+
+    def _bind_later(self, delay: timedelta) -> timedelta | datetime:
+        return delay if self.server_clock else utcnow() + delay
+
+    # -- liveness ---------------------------------------------------------------
+
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(select(1))
+
+    # -- claiming -----------------------------------------------------------------
+
+    def pending_queues(self) -> list[str]:
+        """Distinct queues with pending rows, by a loose index scan of the claim index.
+
+        A relay serving "every queue" must also find queues named only at emit
+        time (``emit(..., queue=...)``); a recursive min() walk touches one index
+        entry per queue instead of the whole pending backlog.
+        """
+        pending = m.c.status == "pending"
+        first = select(func.min(m.c.queue).label("queue")).where(pending).cte("queues", recursive=True)
+        following = select(
+            select(func.min(m.c.queue)).where(pending, m.c.queue > first.c.queue).scalar_subquery()
+        ).where(first.c.queue.is_not(None))
+        walk = first.union_all(following)
+        with self.engine.connect() as conn:
+            return [q for (q,) in conn.execute(select(walk.c.queue).where(walk.c.queue.is_not(None)))]
+
+    def claim(self, queue: str, handlers: Sequence[str], limit: int) -> list[Row[Any]]:
+        """Lease up to ``limit`` due messages of ``queue`` for ``handlers``.
+
+        The attempt is counted here, at claim time, so a message that kills its
+        relay still uses up attempts and eventually goes dead instead of
+        crashing relays forever.
+        """
+        if limit <= 0 or not handlers:
+            return []
+        now = self._now()
+        due = (
+            select(m.c.id)
+            .where(
+                m.c.status == "pending",
+                m.c.queue == queue,
+                m.c.handler.in_(handlers),
+                m.c.available_at <= now,
+                self._group_is_free(),
+            )
+            .order_by(m.c.priority, m.c.id)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        claim = (
+            update(m)
+            .where(m.c.id.in_(due.scalar_subquery()))
+            .values(
+                status="running",
+                locked_by=self.relay_id,
+                locked_until=self._later("lease"),
+                attempts=m.c.attempts + 1,
+                updated_at=now,
+            )
+            .returning(*_CLAIMED)
+        )
+        with self.engine.begin() as conn:
+            rows = list(conn.execute(claim, {"lease": self._bind_later(self.lease)}))
+        rows.sort(key=lambda r: (r.priority, r.id))
+        return rows
+
+    def _group_is_free(self) -> ColumnElement[bool]:
+        """A grouped message is due only when no earlier message of its group is unfinished.
+
+        "Earlier" is id order among committed rows, per route. Under the
+        ``block`` policy a dead message also holds its group back until an
+        operator discards or requeues it; under ``skip`` the group moves on.
+        """
+        earlier = m.alias("earlier")
+        holding = ("pending", "running", "dead") if self.group_policy == "block" else ("pending", "running")
+        blocked = exists().where(
+            earlier.c.handler == m.c.handler,
+            earlier.c.group_key == m.c.group_key,
+            earlier.c.id < m.c.id,
+            earlier.c.status.in_(holding),
+        )
+        return or_(m.c.group_key.is_(None), ~blocked)
+
+    # -- leases -------------------------------------------------------------------
+
+    def extend(self, ids: Iterable[int]) -> int:
+        """Renew the lease on messages still being worked on; returns how many were still ours."""
+        ids = list(ids)
+        if not ids:
+            return 0
+        stmt = (
+            update(m)
+            .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
+            .values(locked_until=self._later("lease"))
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt, {"lease": self._bind_later(self.lease)}).rowcount
+
+    def release(self, ids: Iterable[int]) -> int:
+        """Hand back claimed messages that never started: not an attempt, so the count is restored."""
+        ids = list(ids)
+        if not ids:
+            return 0
+        stmt = (
+            update(m)
+            .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
+            .values(
+                status="pending",
+                locked_by=None,
+                locked_until=None,
+                attempts=m.c.attempts - 1,
+                updated_at=self._now(),
+            )
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount
+
+    def recover_expired(
+        self, backoffs: dict[str, Backoff], rng: random.Random, limit: int = 500
+    ) -> list[Any]:
+        """Take back messages whose relay stopped renewing its lease (it crashed or hung).
+
+        Each recovery appends a ``lease_expired`` attempt naming the relay that
+        held it; the message is retried with its route's backoff, or goes dead
+        if that was its last attempt. Returns the recovered rows.
+        """
+        now = self._now()
+        expired = (
+            select(
+                m.c.id,
+                m.c.handler,
+                m.c.attempts,
+                m.c.max_attempts,
+                m.c.locked_by,
+                m.c.locked_until,
+                m.c.updated_at,
+            )
+            .where(m.c.status == "running", m.c.locked_until < now)
+            .order_by(m.c.locked_until)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        with self.engine.begin() as conn:
+            rows = list(conn.execute(expired))
+            if not rows:
+                return []
+            finished = utcnow()
+            retry = []
+            dead = []
+            history = []
+            for row in rows:
+                reason = f"lease held by relay {row.locked_by} expired at {row.locked_until.isoformat()}"
+                last = row.attempts >= row.max_attempts
+                backoff = backoffs.get(row.handler)
+                delay = backoff.delay(max(row.attempts, 1), rng) if backoff and not last else 0.0
+                params = {"mid": row.id, "err": reason}
+                if last:
+                    dead.append(params)
+                else:
+                    retry.append({**params, "later": self._bind_later(timedelta(seconds=delay))})
+                history.append(
+                    {
+                        "message_id": row.id,
+                        "attempt": row.attempts,
+                        "outcome": "lease_expired",
+                        "started_at": row.updated_at,
+                        "finished_at": finished,
+                        "duration_ms": None,
+                        "relay_id": row.locked_by,
+                        "error_type": "LeaseExpired",
+                        "error": reason,
+                        "detail": {"recovered_by": self.relay_id, "dead": last, "retry_in": round(delay, 3)},
+                    }
+                )
+            base = update(m).where(m.c.id == bindparam("mid"), m.c.status == "running")
+            if retry:
+                conn.execute(
+                    base.values(
+                        status="pending",
+                        locked_by=None,
+                        locked_until=None,
+                        available_at=self._later("later"),
+                        last_error=bindparam("err"),
+                        updated_at=now,
+                    ),
+                    retry,
+                )
+            if dead:
+                conn.execute(
+                    base.values(
+                        status="dead",
+                        locked_by=None,
+                        locked_until=None,
+                        last_error=bindparam("err"),
+                        updated_at=now,
+                    ),
+                    dead,
+                )
+            conn.execute(insert(a), history)
+        return rows
+
+    # -- outcomes -----------------------------------------------------------------
+
+    def complete(self, results: Sequence[Completion]) -> None:
+        """Write a batch of attempt outcomes: message rows updated, history appended, one transaction.
+
+        A message row is only updated while this relay still holds its lease; if
+        another relay recovered it meanwhile, the attempt is still recorded (it
+        did happen), but the newer owner's state wins.
+        """
+        if not results:
+            return
+        now = self._now()
+        ours = and_(m.c.id == bindparam("mid"), m.c.locked_by == self.relay_id, m.c.status == "running")
+        delivered = [{"mid": r.message_id} for r in results if r.status == "delivered"]
+        retry = [
+            {"mid": r.message_id, "err": r.error, "later": self._bind_later(timedelta(seconds=r.retry_in))}
+            for r in results
+            if r.status == "pending"
+        ]
+        dead = [{"mid": r.message_id, "err": r.error} for r in results if r.status == "dead"]
+        with self.engine.begin() as conn:
+            if delivered:
+                conn.execute(
+                    update(m)
+                    .where(ours)
+                    .values(
+                        status="delivered",
+                        delivered_at=now,
+                        locked_by=None,
+                        locked_until=None,
+                        updated_at=now,
+                    ),
+                    delivered,
+                )
+            if retry:
+                conn.execute(
+                    update(m)
+                    .where(ours)
+                    .values(
+                        status="pending",
+                        available_at=self._later("later"),
+                        last_error=bindparam("err"),
+                        locked_by=None,
+                        locked_until=None,
+                        updated_at=now,
+                    ),
+                    retry,
+                )
+            if dead:
+                conn.execute(
+                    update(m)
+                    .where(ours)
+                    .values(
+                        status="dead",
+                        last_error=bindparam("err"),
+                        locked_by=None,
+                        locked_until=None,
+                        updated_at=now,
+                    ),
+                    dead,
+                )
+            conn.execute(
+                insert(a),
+                [
+                    {
+                        "message_id": r.message_id,
+                        "attempt": r.attempt,
+                        "outcome": r.outcome,
+                        "started_at": r.started_at,
+                        "finished_at": r.finished_at,
+                        "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
+                        "relay_id": self.relay_id,
+                        "error_type": r.error_type,
+                        "error": r.error,
+                        "detail": r.detail,
+                    }
+                    for r in results
+                ],
+            )
+
+    # -- visibility -----------------------------------------------------------------
+
+    def waiting_for_unknown_handlers(self, known: Sequence[str]) -> dict[str, int]:
+        """Pending messages for routes this relay has no handler for (a rolling deploy, a typo)."""
+        stmt = (
+            select(m.c.handler, func.count())
+            .where(m.c.status == "pending", m.c.handler.not_in(known))
+            .group_by(m.c.handler)
+        )
+        with self.engine.connect() as conn:
+            return {h: n for h, n in conn.execute(stmt)}

@@ -1,0 +1,666 @@
+"""The relay's orchestration: claim, dispatch, write back, renew leases, recover, shut down.
+
+One asyncio loop owns all state. Database calls are short synchronous
+SQLAlchemy statements (``store``) run on a small thread pool; handlers run on
+the loop (``async def``) or on daemon threads (plain functions). Outcomes are
+written back in batches by a single writer task, so a burst of deliveries costs
+one transaction, not one per message.
+
+Nothing here trusts the LISTEN connection: wake-ups make the relay claim sooner,
+and the poll interval makes it claim anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox import ConfigurationError, Message, Outbox, OutboxError, outbox_message, signals
+from outbox._routes import check_name
+
+from .db import Listener, make_engine, supports_listen
+from .dispatch import attempt, secrets_of
+from .redact import Redactor
+from .store import Completion, GroupPolicy, Store, utcnow
+from .threads import DaemonPool
+
+__all__ = ["DatabaseUnavailable", "DrainResult", "Relay"]
+
+log = logging.getLogger("outbox.relay")
+
+T = TypeVar("T")
+
+
+class DatabaseUnavailable(OutboxError):
+    """The relay could not reach its database, or the outbox tables are missing, at start-up."""
+
+
+@dataclass(slots=True)
+class DrainResult:
+    """What one :meth:`Relay.run_until_idle` did."""
+
+    delivered: int = 0
+    retried: int = 0
+    dead: int = 0
+    recovered: int = 0
+
+    @property
+    def attempts(self) -> int:
+        return self.delivered + self.retried + self.dead
+
+
+def _positive(what: str, value: object, *, integer: bool = False, zero: bool = False) -> Any:
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, kinds)
+        and math.isfinite(float(value))  # type: ignore[arg-type]
+        and (value >= 0 if zero else value > 0)  # type: ignore[operator]
+    )
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        bound = ">= 0" if zero else "> 0"
+        raise ConfigurationError(f"{what} must be {kind} {bound}, got {value!r}")
+    return value
+
+
+def _default_relay_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text_ = str(getattr(exc, "orig", None) or exc).strip()
+    return text_.splitlines()[0] if text_ else type(exc).__name__
+
+
+class Relay:
+    """Delivers committed outbox messages to the handlers an :class:`~outbox.Outbox` routes them to.
+
+    ``run()`` serves until stopped (SIGTERM/SIGINT when ``install_signal_handlers``
+    is set, or :meth:`stop` from any thread); ``run_until_idle()`` delivers what is
+    due and returns, for tests, scripts and ``outbox-relay --once``.
+    """
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        database: Engine | str | URL,
+        *,
+        queues: Iterable[str] | None = None,
+        concurrency: int = 10,
+        queue_concurrency: Mapping[str, int] | None = None,
+        batch_size: int | None = None,
+        poll_interval: float = 1.0,
+        lease: float = 30.0,
+        listen: bool = True,
+        grace_period: float = 30.0,
+        group_policy: GroupPolicy = "block",
+        relay_id: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(outbox, Outbox):
+            raise ConfigurationError(f"Relay needs an outbox.Outbox, got {outbox!r}")
+        if not outbox.routes:
+            raise ConfigurationError("the Outbox has no routes: a relay would have nothing to deliver")
+        self.outbox = outbox
+        self.concurrency: int = _positive("concurrency", concurrency, integer=True)
+        self.batch_size: int = _positive(
+            "batch_size", batch_size if batch_size is not None else concurrency, integer=True
+        )
+        self.poll_interval: float = _positive("poll_interval", poll_interval)
+        self.lease: float = _positive("lease", lease)
+        self.grace_period: float = _positive("grace_period", grace_period, zero=True)
+        if group_policy not in ("block", "skip"):
+            raise ConfigurationError(f"group_policy must be 'block' or 'skip', got {group_policy!r}")
+        self.queues = None if queues is None else tuple(dict.fromkeys(check_name("queue", q) for q in queues))
+        if self.queues is not None and not self.queues:
+            raise ConfigurationError("queues must name at least one queue (or be None for every queue)")
+        self.queue_concurrency = {
+            check_name("queue", q): _positive(f"queue_concurrency[{q!r}]", n, integer=True)
+            for q, n in (queue_concurrency or {}).items()
+        }
+        self.id = check_name("relay_id", relay_id) if relay_id is not None else _default_relay_id()
+        self._owns_engine = not isinstance(database, Engine)
+        self.engine = make_engine(database)
+        self.listen = listen and supports_listen(self.engine)
+        self.store = Store(self.engine, self.id, lease=self.lease, group_policy=group_policy)
+        self._routes = {r.name: r for r in outbox.routes}
+        self._handlers = sorted(self._routes)
+        self._backoffs = {r.name: r.backoff for r in outbox.routes}
+        self._redactor = Redactor(secrets_of(r.handler for r in outbox.routes))
+        self._rng = random.Random(seed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.listener: Listener | None = None
+
+    def __repr__(self) -> str:
+        return f"<Relay {self.id} routes={len(self._routes)}>"
+
+    # -- public entry points ------------------------------------------------------
+
+    def run(self, *, install_signal_handlers: bool = False) -> None:
+        """Serve until stopped. Signal handlers can only be installed from the main thread."""
+        asyncio.run(self.serve(install_signal_handlers=install_signal_handlers))
+
+    def run_until_idle(self) -> DrainResult:
+        """Deliver everything due now (retries that become due meanwhile included), then return."""
+        return asyncio.run(self.drain())
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """Ask a running relay to stop; safe from any thread and from signal handlers.
+
+        Graceful: stop claiming, let in-flight deliveries finish within the grace
+        period. Not graceful (or a second call): cancel in-flight work now.
+        Either way claimed-but-unstarted messages are released untouched.
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._request_stop, graceful)
+        except RuntimeError:  # the loop closed between the check and the call
+            pass
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.current_thread()
+        self._wake = asyncio.Event()
+        self._force = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._stopping = False
+        self._inflight: dict[int, asyncio.Task[None]] = {}
+        self._by_queue: Counter[str] = Counter()
+        self._unstarted: list[int] = []
+        self._buffer: list[tuple[Message, Completion]] = []
+        self._buffered = asyncio.Event()
+        self._write_lock = asyncio.Lock()
+        self._saturated = False
+        self._known_queues: set[str] = {r.queue for r in self.outbox.routes}
+        self._db_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="outbox-db")
+        self._handler_pool = DaemonPool(self.concurrency + 2)
+        self._result = DrainResult()
+        self._background: list[asyncio.Task[Any]] = []
+
+    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._db_pool, lambda: fn(*args))
+
+    async def _check_database(self) -> None:
+        try:
+            await self._db(self._probe)
+        except SQLAlchemyError as exc:
+            url = self.engine.url.render_as_string(hide_password=True)
+            if "outbox_message" in str(exc) or "UndefinedTable" in type(getattr(exc, "orig", exc)).__name__:
+                raise DatabaseUnavailable(
+                    f"the outbox tables are missing in {url}: run `outbox migrate --database-url ...` first"
+                ) from None
+            raise DatabaseUnavailable(f"cannot reach the database at {url}: {_first_line(exc)}") from None
+
+    def _probe(self) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(select(outbox_message.c.id).limit(0))
+
+    def _close(self) -> None:
+        self._db_pool.shutdown(wait=True)
+        self._handler_pool.shutdown(wait=False)
+        if self._owns_engine:
+            self.engine.dispose()
+        self._loop = None
+
+    def _request_stop(self, graceful: bool) -> None:
+        if self._stopping or not graceful:
+            self._force.set()
+        if not self._stopping:
+            log.info("stopping: no new claims", extra={"action": "stop", "relay_id": self.id})
+        self._stopping = True
+        self._stop_requested.set()
+        self._wake.set()
+
+    def _on_commit(self, sender: Any, **kwargs: Any) -> None:
+        """messages_committed from this process: an embedded relay wakes without polling."""
+        loop = self._loop
+        if loop is None:
+            return
+        queues = kwargs.get("queues") or ()
+        try:
+            loop.call_soon_threadsafe(self._woken_by_commit, tuple(queues))
+        except RuntimeError:
+            pass
+
+    def _woken_by_commit(self, queues: tuple[str, ...]) -> None:
+        self._known_queues.update(queues)
+        self._wake.set()
+
+    # -- serve -----------------------------------------------------------------------------
+
+    async def serve(self, *, install_signal_handlers: bool = False) -> None:
+        """The relay's main loop as a coroutine, for applications that run their own event loop."""
+        self._open()
+        try:
+            await self._check_database()
+            if install_signal_handlers:
+                self._install_signals()
+            signals.messages_committed.connect(self._on_commit, sender=self.outbox, weak=False)
+            self._background = [
+                asyncio.create_task(self._writer(), name="outbox-writer"),
+                asyncio.create_task(self._heartbeat(), name="outbox-heartbeat"),
+                asyncio.create_task(self._recoverer(), name="outbox-recoverer"),
+            ]
+            if self.listen:
+                self.listener = Listener(self.engine, on_notify=self._wake.set, on_listening=self._wake.set)
+                self._background.append(asyncio.create_task(self.listener.run(), name="outbox-listen"))
+            log.info(
+                "relay %s started: routes=%s queues=%s concurrency=%d listen=%s",
+                self.id,
+                ",".join(self._handlers),
+                ",".join(self.queues) if self.queues else "*",
+                self.concurrency,
+                self.listen,
+                extra={"action": "start", "relay_id": self.id},
+            )
+            signals.relay_started.send(self.outbox, relay=self)
+            await self._report_unknown_handlers()
+            await self._serve_loop()
+            await self._shutdown()
+        finally:
+            signals.messages_committed.disconnect(self._on_commit, sender=self.outbox)
+            for task in self._background:
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            if install_signal_handlers:
+                self._remove_signals()
+            self._close()
+        log.info("relay %s stopped", self.id, extra={"action": "stopped", "relay_id": self.id})
+        signals.relay_stopped.send(self.outbox, relay=self)
+
+    async def _serve_loop(self) -> None:
+        failures = 0
+        discover = True
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                _, more = await self._claim_round(discover=discover)
+                failures = 0
+            except SQLAlchemyError as exc:
+                failures += 1
+                delay = min(30.0, 0.25 * 2 ** min(failures - 1, 10))
+                log.warning(
+                    "claim failed (%s); retrying in %.1fs",
+                    _first_line(exc),
+                    delay,
+                    extra={"action": "db_error", "relay_id": self.id, "failures": failures},
+                )
+                await self._sleep(delay, wakeable=False)
+                continue
+            if more:
+                discover = False
+                continue
+            discover = True
+            await self._sleep(self.poll_interval)
+
+    async def _sleep(self, seconds: float, *, wakeable: bool = True) -> None:
+        """Wait for a wake-up (or, when backing off from an outage, only for a stop request)."""
+        waiter = self._wake if wakeable else self._stop_requested
+        try:
+            await asyncio.wait_for(waiter.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    async def _report_unknown_handlers(self) -> None:
+        try:
+            unknown = await self._db(self.store.waiting_for_unknown_handlers, self._handlers)
+        except SQLAlchemyError:
+            return
+        for name, count in sorted(unknown.items()):
+            log.warning(
+                "%d pending message(s) wait for route %r, which this relay has no handler for",
+                count,
+                name,
+                extra={"action": "unknown_handler", "handler": name, "count": count},
+            )
+
+    # -- claiming and dispatch -------------------------------------------------------------
+
+    def _free(self, queue: str) -> int:
+        free = self.concurrency - len(self._inflight)
+        limit = self.queue_concurrency.get(queue)
+        if limit is not None:
+            free = min(free, limit - self._by_queue[queue])
+        return free
+
+    async def _queues_to_claim(self, discover: bool) -> list[str]:
+        if self.queues is not None:
+            return list(self.queues)
+        if discover:
+            self._known_queues.update(await self._db(self.store.pending_queues))
+        return sorted(self._known_queues)
+
+    async def _claim_round(self, *, discover: bool) -> tuple[int, bool]:
+        """Claim from every served queue up to the free slots.
+
+        Returns how many were claimed, and whether more may be due right now
+        (a full batch came back and slots are still free).
+        """
+        more = False
+        claimed = 0
+        self._saturated = False
+        for queue in await self._queues_to_claim(discover):
+            if self._stopping:
+                break
+            free = self._free(queue)
+            if free <= 0:
+                self._saturated = True
+                continue
+            limit = min(self.batch_size, free)
+            rows = await self._db(self.store.claim, queue, self._handlers, limit)
+            if rows:
+                claimed += len(rows)
+                self._dispatch(queue, rows)
+            if len(rows) == limit:
+                more = True
+                if self._free(queue) <= 0:
+                    self._saturated = True
+        return claimed, more and not self._saturated
+
+    def _dispatch(self, queue: str, rows: list[Any]) -> None:
+        log.debug(
+            "claimed %d from %s",
+            len(rows),
+            queue,
+            extra={"action": "claim", "queue": queue, "count": len(rows)},
+        )
+        if signals.message_claimed.receivers:
+            from .dispatch import to_message
+
+            signals.message_claimed.send(self.outbox, relay=self, messages=[to_message(r) for r in rows])
+        for row in rows:
+            self._by_queue[queue] += 1
+            task = asyncio.create_task(self._deliver(queue, row), name=f"outbox-message-{row.id}")
+            self._inflight[row.id] = task
+
+    async def _deliver(self, queue: str, row: Any) -> None:
+        try:
+            if self._stopping:
+                self._unstarted.append(row.id)
+                return
+            route = self._routes[row.handler]
+            try:
+                message, completion = await attempt(
+                    route, row, executor=self._handler_pool, redactor=self._redactor, rng=self._rng
+                )
+            except asyncio.CancelledError:
+                message, completion = self._cancelled(row)
+            self._buffer.append((message, completion))
+            self._buffered.set()
+        finally:
+            self._inflight.pop(row.id, None)
+            self._by_queue[queue] -= 1
+            if self._saturated:
+                self._wake.set()
+
+    def _cancelled(self, row: Any) -> tuple[Message, Completion]:
+        from .dispatch import to_message
+
+        now = utcnow()
+        return to_message(row), Completion(
+            message_id=row.id,
+            attempt=row.attempts,
+            outcome="failed",
+            status="pending",
+            started_at=now,
+            finished_at=now,
+            error_type="Cancelled",
+            error="the relay stopped before the handler finished; it may or may not have taken effect",
+        )
+
+    # -- writing outcomes ------------------------------------------------------------------
+
+    async def _writer(self) -> None:
+        failures = 0
+        while True:
+            await self._buffered.wait()
+            try:
+                await self._write_pending()
+                failures = 0
+            except SQLAlchemyError as exc:
+                failures += 1
+                delay = min(30.0, 0.25 * 2 ** min(failures - 1, 10))
+                log.warning(
+                    "could not record %d outcome(s) (%s); retrying in %.1fs",
+                    len(self._buffer),
+                    _first_line(exc),
+                    delay,
+                    extra={"action": "db_error", "relay_id": self.id, "failures": failures},
+                )
+                await asyncio.sleep(delay)
+
+    async def _write_pending(self) -> None:
+        async with self._write_lock:
+            self._buffered.clear()
+            batch, self._buffer = self._buffer, []
+            if not batch:
+                return
+            try:
+                await self._db(self.store.complete, [c for _, c in batch])
+            except BaseException:
+                self._buffer[:0] = batch  # keep them, in order, for the next try
+                self._buffered.set()
+                raise
+        for message, completion in batch:
+            self._announce(message, completion)
+
+    def _announce(self, message: Message, completion: Completion) -> None:
+        extra = {
+            "relay_id": self.id,
+            "message_id": message.id,
+            "handler": message.handler,
+            "event_type": message.event_type,
+            "attempt": message.attempt,
+        }
+        duration = (completion.finished_at - completion.started_at).total_seconds()
+        if completion.status == "delivered":
+            self._result.delivered += 1
+            log.info(
+                "delivered %s #%d to %s (attempt %d, %.0f ms)",
+                message.event_type,
+                message.id,
+                message.handler,
+                message.attempt,
+                duration * 1000,
+                extra={"action": "deliver", **extra},
+            )
+            signals.message_delivered.send(self.outbox, relay=self, message=message, duration=duration)
+        elif completion.status == "pending":
+            self._result.retried += 1
+            log.warning(
+                "%s #%d to %s failed (%s: %s); retry in %.1fs",
+                message.event_type,
+                message.id,
+                message.handler,
+                completion.outcome,
+                completion.error,
+                completion.retry_in,
+                extra={"action": "retry", "outcome": completion.outcome, **extra},
+            )
+            signals.retry_scheduled.send(
+                self.outbox,
+                relay=self,
+                message=message,
+                outcome=completion.outcome,
+                delay=completion.retry_in,
+                error=completion.error,
+            )
+            if self._loop is not None and completion.retry_in < self.poll_interval:
+                self._loop.call_later(completion.retry_in, self._wake.set)
+        else:
+            self._result.dead += 1
+            log.error(
+                "%s #%d to %s is dead after attempt %d: %s",
+                message.event_type,
+                message.id,
+                message.handler,
+                message.attempt,
+                completion.error,
+                extra={"action": "dead", **extra},
+            )
+            signals.message_dead.send(self.outbox, relay=self, message=message, error=completion.error)
+
+    # -- leases ------------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        """Renew leases of running deliveries so a slow but live handler is never claimed twice."""
+        period = max(self.lease / 3, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            ids = list(self._inflight)
+            if not ids:
+                continue
+            try:
+                kept = await self._db(self.store.extend, ids)
+            except SQLAlchemyError as exc:
+                log.warning("lease renewal failed (%s)", _first_line(exc), extra={"action": "db_error"})
+                continue
+            if kept < len(ids):
+                log.warning(
+                    "%d of %d leases were lost (expired and recovered by another relay?)",
+                    len(ids) - kept,
+                    len(ids),
+                    extra={"action": "lease_lost", "relay_id": self.id},
+                )
+
+    async def _recover_once(self) -> int:
+        rows = await self._db(self.store.recover_expired, self._backoffs, self._rng)
+        for row in rows:
+            log.warning(
+                "recovered message #%d from relay %s whose lease expired",
+                row.id,
+                row.locked_by,
+                extra={"action": "lease_expired", "message_id": row.id, "handler": row.handler},
+            )
+        self._result.recovered += len(rows)
+        if rows:
+            self._wake.set()
+        return len(rows)
+
+    async def _recoverer(self) -> None:
+        period = min(max(self.lease / 2, 0.1), 10.0)
+        while True:
+            try:
+                await self._recover_once()
+            except SQLAlchemyError as exc:
+                log.warning("lease recovery failed (%s)", _first_line(exc), extra={"action": "db_error"})
+            await asyncio.sleep(period)
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        for task in self._background:
+            if task.get_name() in ("outbox-listen", "outbox-recoverer"):
+                task.cancel()
+        inflight = list(self._inflight.values())
+        if inflight:
+            log.info(
+                "waiting up to %.0fs for %d in-flight deliveries",
+                self.grace_period,
+                len(inflight),
+                extra={"action": "drain", "relay_id": self.id},
+            )
+            forced: asyncio.Task[Any] = asyncio.create_task(self._force.wait())
+            everything: asyncio.Future[Any] = asyncio.gather(*inflight, return_exceptions=True)
+            await asyncio.wait(
+                [forced, everything], timeout=self.grace_period, return_when=asyncio.FIRST_COMPLETED
+            )
+            forced.cancel()
+            late = [t for t in inflight if not t.done()]
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+            if late:
+                log.warning(
+                    "cancelled %d deliveries still running at shutdown; they will be retried",
+                    len(late),
+                    extra={"action": "cancel", "relay_id": self.id},
+                )
+        await self._final_writes()
+
+    async def _final_writes(self) -> None:
+        deadline = time.monotonic() + max(5.0, min(self.grace_period, 30.0))
+        while True:
+            try:
+                if self._unstarted:
+                    released = await self._db(self.store.release, self._unstarted)
+                    log.info("released %d unstarted message(s)", released, extra={"action": "release"})
+                    self._unstarted = []
+                await self._write_pending()
+                return
+            except SQLAlchemyError as exc:
+                if time.monotonic() > deadline:
+                    log.error(
+                        "giving up recording %d outcome(s) at shutdown (%s); their leases will expire "
+                        "and they will be delivered again",
+                        len(self._buffer) + len(self._unstarted),
+                        _first_line(exc),
+                        extra={"action": "db_error", "relay_id": self.id},
+                    )
+                    return
+                await asyncio.sleep(0.5)
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._request_stop, True)
+
+    def _remove_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+    # -- drain -------------------------------------------------------------------------------
+
+    async def drain(self) -> DrainResult:
+        """Deliver what is due, including retries that fall due while draining, then return.
+
+        Errors reaching the database are raised, not retried: a script or test
+        asking "deliver everything now" wants to know.
+        """
+        self._open()
+        try:
+            await self._check_database()
+            await self._recover_once()
+            self._background = [asyncio.create_task(self._heartbeat(), name="outbox-heartbeat")]
+            while True:
+                # Write first, then claim: a claim must see every outcome so far,
+                # or a group's next message looks blocked by one already finished.
+                await self._write_pending()
+                claimed, _ = await self._claim_round(discover=True)
+                if self._inflight:
+                    await asyncio.wait(set(self._inflight.values()), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                if not claimed and not self._buffer:
+                    break
+        finally:
+            pending = [*self._inflight.values(), *self._background]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            self._close()
+        return self._result
