@@ -18,7 +18,9 @@ can catch them and carry on with the same session and transaction.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 __all__ = [
     "ConfigurationError",
@@ -73,17 +75,37 @@ class RetryLater(OutboxError):
     """Raised by a handler for a transient failure: the relay retries the message.
 
     ``delay`` overrides the route's backoff for this one retry (a webhook's
-    ``Retry-After``, say); it still counts as an attempt towards ``max_attempts``.
+    ``Retry-After``, say). ``detail`` (a JSON-able mapping: HTTP status, SMTP
+    code) is stored with the attempt, secrets masked. The attempt counts towards
+    ``max_attempts`` unless ``counts_as_attempt=False``: for deferrals that say
+    nothing about the message itself, such as an open circuit breaker or a rate
+    limit, which must not use up a message's attempts during a long outage.
     """
 
-    def __init__(self, message: str = "", *, delay: float | timedelta | None = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        delay: float | timedelta | None = None,
+        detail: Mapping[str, Any] | None = None,
+        counts_as_attempt: bool = True,
+    ) -> None:
         super().__init__(message or "handler asked to retry later")
         if isinstance(delay, timedelta):
             delay = delay.total_seconds()
         if delay is not None and not delay >= 0:
             raise ValueError(f"RetryLater delay must be >= 0 seconds, got {delay!r}")
         self.delay: float | None = delay
+        self.detail: dict[str, Any] | None = dict(detail) if detail is not None else None
+        self.counts_as_attempt = counts_as_attempt
 
 
 class PermanentError(OutboxError):
-    """Raised by a handler when the message can never succeed: it goes dead at once."""
+    """Raised by a handler when the message can never succeed: it goes dead at once.
+
+    ``detail`` is stored with the attempt, as for :class:`RetryLater`.
+    """
+
+    def __init__(self, message: str = "", *, detail: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message or "handler reported a permanent failure")
+        self.detail: dict[str, Any] | None = dict(detail) if detail is not None else None

@@ -13,8 +13,9 @@ import functools
 import inspect
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor
+from datetime import timedelta
 from typing import Any
 
 from outbox import Message, PermanentError, RetryLater, Route
@@ -51,15 +52,15 @@ def is_async_handler(handler: Any) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
-async def _invoke(handler: Any, message: Message, executor: Executor) -> None:
+async def _invoke(handler: Any, message: Message, executor: Executor) -> Any:
     if is_async_handler(handler):
-        await handler(message)
-        return
+        return await handler(message)
     loop = asyncio.get_running_loop()
     context = contextvars.copy_context()
     result = await loop.run_in_executor(executor, functools.partial(context.run, handler, message))
     if inspect.isawaitable(result):
-        await result
+        result = await result
+    return result
 
 
 def _describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
@@ -88,8 +89,12 @@ async def attempt(
     error: str | None = None
     detail: dict[str, Any] | None = None
     last = message.attempt >= row.max_attempts
+    refund = False
     try:
-        await asyncio.wait_for(_invoke(route.handler, message, executor), timeout=route.timeout)
+        returned = await asyncio.wait_for(_invoke(route.handler, message, executor), timeout=route.timeout)
+        # A handler may return facts about the delivery (HTTP status, SMTP queue id).
+        if isinstance(returned, Mapping):
+            detail = redactor.mapping(returned)
     except TimeoutError:
         outcome = "timeout"
         error_type = "TimeoutError"
@@ -100,6 +105,9 @@ async def attempt(
         if exc.delay is not None:
             retry_in = exc.delay
         detail = _detail_of(exc, redactor)
+        if not exc.counts_as_attempt:
+            refund, last = True, False
+            detail = {**(detail or {}), "counted": False}
     except PermanentError as exc:
         outcome = "dead"
         error_type, error = _describe(exc, redactor)
@@ -119,10 +127,8 @@ async def attempt(
         status = "pending"
         if retry_in == 0.0:
             retry_in = route.backoff.delay(message.attempt, rng)
-    finished = utcnow()
-    # monotonic duration is the honest one; wall-clock stamps only place it in time.
-    duration = time.monotonic() - clock
-    detail = {**(detail or {}), "duration_s": round(duration, 6)} if detail else None
+    # Wall-clock stamps place the attempt in time; the monotonic clock measures it.
+    finished = started + timedelta(seconds=time.monotonic() - clock)
     return message, Completion(
         message_id=message.id,
         attempt=message.attempt,
@@ -134,6 +140,7 @@ async def attempt(
         error_type=error_type,
         error=error,
         detail=detail,
+        refund=refund,
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from sqlalchemy import (
     ColumnElement,
+    Integer,
     Interval,
     Row,
     and_,
@@ -81,6 +82,8 @@ class Completion:
     error_type: str | None = None
     error: str | None = None
     detail: dict[str, Any] | None = field(default=None)
+    #: a deferral that must not use up an attempt (an open circuit breaker, say)
+    refund: bool = False
 
 
 def utcnow() -> datetime:
@@ -326,7 +329,12 @@ class Store:
         ours = and_(m.c.id == bindparam("mid"), m.c.locked_by == self.relay_id, m.c.status == "running")
         delivered = [{"mid": r.message_id} for r in results if r.status == "delivered"]
         retry = [
-            {"mid": r.message_id, "err": r.error, "later": self._bind_later(timedelta(seconds=r.retry_in))}
+            {
+                "mid": r.message_id,
+                "err": r.error,
+                "later": self._bind_later(timedelta(seconds=r.retry_in)),
+                "refund": int(r.refund),
+            }
             for r in results
             if r.status == "pending"
         ]
@@ -353,6 +361,7 @@ class Store:
                         status="pending",
                         available_at=self._later("later"),
                         last_error=bindparam("err"),
+                        attempts=m.c.attempts - bindparam("refund", type_=Integer()),
                         locked_by=None,
                         locked_until=None,
                         updated_at=now,

@@ -219,6 +219,29 @@ class Relay:
         with self.engine.connect() as conn:
             conn.execute(select(outbox_message.c.id).limit(0))
 
+    async def _shutdown_handlers(self) -> None:
+        """Let handlers close what they opened on this loop (HTTP clients, SMTP connections).
+
+        A handler object may define ``outbox_shutdown()``, plain or async; a
+        failure there is logged, never raised, so one handler cannot keep the
+        relay from stopping.
+        """
+        for route in self._routes.values():
+            hook = getattr(route.handler, "outbox_shutdown", None)
+            if not callable(hook):
+                continue
+            try:
+                result = hook()
+                if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                    await result
+            except Exception as exc:
+                log.warning(
+                    "route %s: outbox_shutdown failed: %s",
+                    route.name,
+                    self._redactor.text(str(exc)),
+                    extra={"action": "handler_shutdown", "handler": route.name},
+                )
+
     def _close(self) -> None:
         self._db_pool.shutdown(wait=True)
         self._handler_pool.shutdown(wait=False)
@@ -286,6 +309,7 @@ class Relay:
             for task in self._background:
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
+            await self._shutdown_handlers()
             if install_signal_handlers:
                 self._remove_signals()
             self._close()
@@ -662,5 +686,6 @@ class Relay:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            await self._shutdown_handlers()
             self._close()
         return self._result
