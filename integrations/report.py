@@ -1,0 +1,299 @@
+"""Reports fanned out into chunk jobs, assembled exactly once.
+
+A report request becomes one ``outbox_report_run`` row plus one outbox message
+per chunk, all in the caller's transaction: either the run and every chunk
+exist, or none do. Each chunk writes its own part file (overwriting on a
+retry, so re-running a chunk never duplicates rows) and records itself; the
+chunk that completes the set wins a conditional update and assembles the CSV.
+Reports default to a low-priority ``reports`` queue so they never delay mail.
+
+::
+
+    signups = ReportJob(
+        ob, "signups", engine=engine, output_dir="reports",
+        header=["id", "email"],
+        count=lambda s, params: s.scalar(select(func.count()).select_from(User)),
+        rows=lambda s, params, offset, limit: s.execute(
+            select(User.id, User.email).order_by(User.id).offset(offset).limit(limit)),
+    )
+    with Session(engine) as s, s.begin():
+        run_id = signups.start(s, {"since": "2026-01-01"})
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.engine import Engine, Row
+from sqlalchemy.orm import Session
+
+from outbox import ConfigurationError, Message, Outbox, PermanentError, emit, signals
+from outbox._routes import check_name
+
+from ._report_tables import RUN_STATUSES, outbox_report_chunk, outbox_report_run, report_metadata
+
+__all__ = [
+    "RUN_STATUSES",
+    "ReportJob",
+    "ReportProgress",
+    "outbox_report_chunk",
+    "outbox_report_run",
+    "report_metadata",
+]
+
+log = logging.getLogger("outbox.integrations.report")
+
+CountRows = Callable[[Session, Mapping[str, Any]], int]
+FetchRows = Callable[[Session, Mapping[str, Any], int, int], Iterable[Sequence[Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportProgress:
+    """A run as a progress bar sees it."""
+
+    id: str
+    report: str
+    status: str
+    total_chunks: int
+    done_chunks: int
+    row_count: int
+    location: str | None
+    error: str | None
+
+    @property
+    def fraction(self) -> float:
+        return self.done_chunks / self.total_chunks if self.total_chunks else 1.0
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class ReportJob:
+    """One kind of report: how to count and fetch its rows, where its CSV goes, how it is routed."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        name: str,
+        *,
+        engine: Engine,
+        count: CountRows,
+        rows: FetchRows,
+        header: Sequence[str],
+        output_dir: str | os.PathLike[str],
+        chunk_size: int = 1000,
+        queue: str = "reports",
+        priority: int = 100,
+        max_attempts: int = 5,
+        timeout: float = 300.0,
+    ) -> None:
+        self.name = check_name("report name", name)
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ConfigurationError(
+                f"report {name!r}: chunk_size must be a positive integer, got {chunk_size!r}"
+            )
+        if not header:
+            raise ConfigurationError(f"report {name!r}: header must name at least one column")
+        self.outbox = outbox
+        self.engine = engine
+        self.count = count
+        self.rows = rows
+        self.header = list(header)
+        self.output_dir = Path(output_dir)
+        self.chunk_size = chunk_size
+        self.event_type = f"report.{name}.chunk"
+        self.route = outbox.route(
+            self.event_type,
+            self,
+            name=f"report.{name}",
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            timeout=timeout,
+        )
+        # A chunk that goes dead fails its run, so the UI stops waiting for it.
+        signals.message_dead.connect(self._on_dead, sender=outbox, weak=False)
+
+    def __repr__(self) -> str:
+        return f"<ReportJob {self.name}>"
+
+    # -- request side (the caller's transaction) ----------------------------------------
+
+    def start(self, session: Session, params: Mapping[str, Any] | None = None) -> str:
+        """Record a run and emit its chunks in ``session``'s transaction; returns the run id."""
+        params = dict(params or {})
+        total_rows = int(self.count(session, params))
+        chunks = max(1, math.ceil(total_rows / self.chunk_size))
+        run_id = uuid.uuid4().hex
+        session.execute(
+            insert(outbox_report_run).values(
+                id=run_id, report=self.name, params=params, total_chunks=chunks, created_at=_utcnow()
+            )
+        )
+        for chunk in range(chunks):
+            emit(
+                session,
+                self.event_type,
+                {
+                    "run_id": run_id,
+                    "chunk": chunk,
+                    "offset": chunk * self.chunk_size,
+                    "limit": self.chunk_size,
+                },
+                key=f"report:{run_id}:{chunk}",
+            )
+        return run_id
+
+    def progress(self, run_id: str) -> ReportProgress:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(outbox_report_run).where(outbox_report_run.c.id == run_id)).first()
+        if row is None:
+            raise LookupError(f"no report run {run_id!r}")
+        return _progress(row)
+
+    # -- relay side (one chunk per message) ----------------------------------------------
+
+    def __call__(self, message: Message) -> dict[str, Any]:
+        payload = message.payload
+        run_id, chunk = str(payload["run_id"]), int(payload["chunk"])
+        with self.engine.connect() as conn:
+            run = conn.execute(select(outbox_report_run).where(outbox_report_run.c.id == run_id)).first()
+        if run is None:
+            raise PermanentError(f"report run {run_id} does not exist")
+        if run.status in ("complete", "failed"):
+            return {"run_id": run_id, "chunk": chunk, "skipped": run.status}
+        with Session(self.engine) as session:
+            fetched = [
+                list(r) for r in self.rows(session, run.params, int(payload["offset"]), int(payload["limit"]))
+            ]
+        self._write_part(run_id, chunk, fetched)
+        done = self._record_chunk(run_id, chunk, len(fetched))
+        detail: dict[str, Any] = {"run_id": run_id, "chunk": chunk, "rows": len(fetched), "done": done}
+        if done == run.total_chunks and self._claim_assembly(run_id, message.id):
+            detail["location"] = self._assemble(run_id, run.total_chunks)
+        return detail
+
+    def _run_dir(self, run_id: str) -> Path:
+        return self.output_dir / f"{self.name}-{run_id}.parts"
+
+    def _write_part(self, run_id: str, chunk: int, rows: list[list[Any]]) -> None:
+        """Atomically (re)write this chunk's part: a retry replaces, never appends."""
+        folder = self._run_dir(run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{chunk}.", suffix=".tmp")
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as out:
+            csv.writer(out).writerows(rows)
+        os.replace(tmp, folder / f"part-{chunk:06d}.csv")
+
+    def _record_chunk(self, run_id: str, chunk: int, row_count: int) -> int:
+        """Upsert this chunk's row and recompute the run's progress from all chunk rows, atomically."""
+        c = outbox_report_chunk
+        with self.engine.begin() as conn:
+            updated = conn.execute(
+                update(c)
+                .where(c.c.run_id == run_id, c.c.chunk == chunk)
+                .values(row_count=row_count, finished_at=_utcnow())
+            ).rowcount
+            if not updated:
+                conn.execute(
+                    insert(c).values(run_id=run_id, chunk=chunk, row_count=row_count, finished_at=_utcnow())
+                )
+            # Lock the run row so concurrent chunks serialise their progress updates.
+            conn.execute(
+                update(outbox_report_run)
+                .where(outbox_report_run.c.id == run_id)
+                .values(done_chunks=outbox_report_run.c.done_chunks)
+            )
+            done, rows = conn.execute(
+                select(func.count(), func.coalesce(func.sum(c.c.row_count), 0)).where(c.c.run_id == run_id)
+            ).one()
+            conn.execute(
+                update(outbox_report_run)
+                .where(outbox_report_run.c.id == run_id)
+                .values(done_chunks=done, row_count=rows)
+            )
+        return int(done)
+
+    def _claim_assembly(self, run_id: str, message_id: int) -> bool:
+        """Exactly one chunk message assembles: the first to move the run to ``assembling``.
+
+        The winner's own retry (it crashed mid-assembly) may assemble again; it
+        rewrites the same file from the same parts.
+        """
+        r = outbox_report_run
+        with self.engine.begin() as conn:
+            won = conn.execute(
+                update(r)
+                .where(r.c.id == run_id, r.c.status == "running")
+                .values(status="assembling", assembled_by=message_id)
+            ).rowcount
+            if won:
+                return True
+            owner = conn.execute(select(r.c.status, r.c.assembled_by).where(r.c.id == run_id)).one()
+        return bool(owner.status == "assembling" and owner.assembled_by == message_id)
+
+    def _assemble(self, run_id: str, total_chunks: int) -> str:
+        folder = self._run_dir(run_id)
+        target = self.output_dir / f"{self.name}-{run_id}.csv"
+        fd, tmp = tempfile.mkstemp(dir=self.output_dir, prefix=f".{self.name}-{run_id}.", suffix=".tmp")
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as out:
+            csv.writer(out).writerow(self.header)
+            for chunk in range(total_chunks):
+                with (folder / f"part-{chunk:06d}.csv").open(encoding="utf-8", newline="") as part:
+                    shutil.copyfileobj(part, out)
+        os.replace(tmp, target)
+        r = outbox_report_run
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(r)
+                .where(r.c.id == run_id, r.c.status == "assembling")
+                .values(status="complete", finished_at=_utcnow(), location=str(target))
+            )
+        shutil.rmtree(folder, ignore_errors=True)
+        log.info(
+            "report %s run %s complete: %s", self.name, run_id, target, extra={"action": "report_complete"}
+        )
+        return str(target)
+
+    def _on_dead(self, sender: Any, **kwargs: Any) -> None:
+        message = kwargs.get("message")
+        if not isinstance(message, Message) or message.handler != self.route.name:
+            return
+        run_id = str(message.payload.get("run_id"))
+        r = outbox_report_run
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(r)
+                .where(r.c.id == run_id, r.c.status.in_(("running", "assembling")))
+                .values(
+                    status="failed",
+                    finished_at=_utcnow(),
+                    error=f"chunk {message.payload.get('chunk')} is dead: {kwargs.get('error')}",
+                )
+            )
+
+
+def _progress(row: Row[Any]) -> ReportProgress:
+    return ReportProgress(
+        id=row.id,
+        report=row.report,
+        status=row.status,
+        total_chunks=row.total_chunks,
+        done_chunks=row.done_chunks,
+        row_count=row.row_count,
+        location=row.location,
+        error=row.error,
+    )
