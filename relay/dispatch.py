@@ -19,8 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 from outbox import Message, PermanentError, RetryLater, Route
+from outbox._redact import Redactor
 
-from .redact import Redactor
 from .store import Completion, utcnow
 
 __all__ = ["attempt", "is_async_handler", "to_message"]

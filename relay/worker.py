@@ -33,11 +33,11 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox import ConfigurationError, Message, Outbox, OutboxError, outbox_message, signals
+from outbox._redact import Redactor
 from outbox._routes import check_name
 
 from .db import Listener, make_engine, supports_listen
 from .dispatch import attempt, secrets_of
-from .redact import Redactor
 from .store import Completion, GroupPolicy, Store, utcnow
 from .threads import DaemonPool
 
