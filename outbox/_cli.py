@@ -1,44 +1,152 @@
-"""The ``outbox`` command: database maintenance for the outbox tables.
+"""The ``outbox`` command: migrations, audit and dead letters for the outbox tables.
 
 Exit codes: 0 success, 1 the operation failed (database unreachable, migration
-error), 2 bad usage. User mistakes get one line on stderr, never a traceback.
+error, unknown id, refused action), 2 bad usage. User mistakes get one line on
+stderr, never a traceback. Every subcommand takes ``--database-url`` (or
+``OUTBOX_DATABASE_URL``).
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy.engine import make_url
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from . import ops
 from ._migrations import BRANCH, upgrade
 
 __all__ = ["main"]
 
 ENV_DATABASE_URL = "OUTBOX_DATABASE_URL"
+PROG = "outbox"
+
+
+class _Failed(Exception):
+    """An operation failed in a way the user should read as one line (exit 1)."""
+
+
+def _timestamp(value: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an ISO date or time (2026-12-01T10:00), got {value!r}"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _duration(value: str) -> Any:
+    try:
+        return ops.parse_duration(value)
+    except ops.OpsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _message_id(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"message ids are integers, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"message ids are positive, got {value!r}")
+    return number
+
+
+def _add_database(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--database-url",
+        default=os.environ.get(ENV_DATABASE_URL),
+        help=f"SQLAlchemy URL of the database (default: ${ENV_DATABASE_URL})",
+    )
+
+
+def _add_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--status", choices=("pending", "running", "delivered", "dead", "discarded"))
+    p.add_argument("--handler", help="route name")
+    p.add_argument("--event-type")
+    p.add_argument("--queue")
+    p.add_argument("--key", help="idempotency key")
+    p.add_argument("--group-key")
+    p.add_argument("--since", type=_timestamp, help="created at or after (ISO time, UTC if no zone)")
+    p.add_argument("--before", type=_timestamp, help="created before (ISO time, UTC if no zone)")
+
+
+def _filter(args: argparse.Namespace, ids: Sequence[int] = ()) -> ops.MessageFilter:
+    return ops.MessageFilter(
+        status=args.status,
+        handler=args.handler,
+        event_type=args.event_type,
+        queue=args.queue,
+        key=args.key,
+        group_key=args.group_key,
+        created_since=args.since,
+        created_before=args.before,
+        ids=tuple(ids),
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outbox", description="Maintain the outbox tables.")
+    parser = argparse.ArgumentParser(prog=PROG, description="Maintain and audit the outbox tables.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     migrate = commands.add_parser(
         "migrate",
         help="create or upgrade the outbox tables",
         description="Upgrade the database to the newest outbox schema (Alembic branch 'outbox').",
     )
+    _add_database(migrate)
     migrate.add_argument(
-        "--database-url",
-        default=os.environ.get(ENV_DATABASE_URL),
-        help=f"SQLAlchemy URL of the database (default: ${ENV_DATABASE_URL})",
+        "--revision", default=f"{BRANCH}@head", help="target revision (default: %(default)s)"
     )
-    migrate.add_argument(
-        "--revision",
-        default=f"{BRANCH}@head",
-        help="target revision (default: %(default)s)",
+
+    stats = commands.add_parser("stats", help="counts by status and handler, oldest pending age, last hour")
+    _add_database(stats)
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+
+    listing = commands.add_parser("list", help="messages, newest first, filtered and paginated")
+    _add_database(listing)
+    _add_filters(listing)
+    listing.add_argument("--limit", type=_message_id, default=50, help="page size (default: 50)")
+    listing.add_argument("--before-id", type=_message_id, help="next page: the last id of the previous one")
+    listing.add_argument("--json", action="store_true")
+
+    show = commands.add_parser("show", help="one message and its full attempt history")
+    _add_database(show)
+    show.add_argument("id", type=_message_id)
+    show.add_argument("--json", action="store_true")
+
+    for name, verb in (
+        ("requeue", "give dead or discarded messages a fresh start"),
+        ("discard", "drop messages"),
+    ):
+        sub = commands.add_parser(
+            name, help=verb, description=f"{verb[0].upper()}{verb[1:]}, with an audit record."
+        )
+        _add_database(sub)
+        sub.add_argument("ids", nargs="*", type=_message_id, metavar="ID")
+        _add_filters(sub)
+        sub.add_argument("--reason", required=True, help="why: recorded in the message's history")
+        sub.add_argument("--actor", default=None, help="who (default: the login name)")
+        sub.add_argument("--yes", action="store_true", help="act on a filter without asking")
+        sub.add_argument("--json", action="store_true")
+
+    purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
+    _add_database(purge)
+    purge.add_argument(
+        "--delivered-older-than", type=_duration, required=True, metavar="AGE", help="e.g. 30d"
     )
+    purge.add_argument("--history-older-than", type=_duration, metavar="AGE", help="e.g. 90d")
+    purge.add_argument("--batch-size", type=_message_id, default=1000)
+    purge.add_argument("--json", action="store_true")
     return parser
 
 
@@ -52,24 +160,188 @@ def _database_url(parser: argparse.ArgumentParser, value: str | None) -> str:
     return value
 
 
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str, sort_keys=True))
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
+    cells = [[("" if v is None else str(v)).replace("\n", " ")[:60] for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
+    result = ops.stats(engine)
+    if args.json:
+        _print_json(result.as_dict())
+        return 0
+    print(
+        "messages by status: "
+        + (", ".join(f"{k} {v}" for k, v in sorted(result.by_status.items())) or "none")
+    )
+    rows = [
+        [handler, *(counts.get(s, 0) for s in ("pending", "running", "delivered", "dead", "discarded"))]
+        for handler, counts in sorted(result.by_handler_status.items())
+    ]
+    if rows:
+        _table(rows, ["handler", "pending", "running", "delivered", "dead", "discarded"])
+    for queue, age in sorted(result.oldest_pending_age_s.items()):
+        print(f"oldest due message in queue {queue}: {age:.1f}s")
+    print(f"last hour: {result.delivered_last_hour} delivered, {result.failed_last_hour} failed attempts")
+    print(f"dead: {result.dead}")
+    return 0
+
+
+def _cmd_list(engine: Engine, args: argparse.Namespace) -> int:
+    rows = ops.list_messages(engine, _filter(args), limit=args.limit, before_id=args.before_id)
+    if args.json:
+        _print_json([dict(r._mapping) for r in rows])
+        return 0
+    _table(
+        [
+            [
+                r.id,
+                r.status,
+                r.handler,
+                r.event_type,
+                f"{r.attempts}/{r.max_attempts}",
+                r.created_at,
+                r.last_error,
+            ]
+            for r in rows
+        ],
+        ["id", "status", "handler", "event_type", "attempts", "created_at", "last_error"],
+    )
+    if len(rows) == args.limit:
+        print(f"(more: --before-id {rows[-1].id})")
+    return 0
+
+
+def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
+    found = ops.show(engine, args.id)
+    if args.json:
+        _print_json({"message": found.message, "attempts": found.attempts})
+        return 0
+    for key, value in found.message.items():
+        print(f"{key:>15}: {json.dumps(value, default=str) if isinstance(value, dict | list) else value}")
+    print()
+    _table(
+        [
+            [
+                h["attempt"],
+                h["outcome"],
+                h["started_at"],
+                h["duration_ms"],
+                h["relay_id"] or h["actor"],
+                h["error"] or h["reason"],
+                json.dumps(h["detail"]) if h["detail"] else "",
+            ]
+            for h in found.attempts
+        ],
+        ["attempt", "outcome", "started_at", "ms", "by", "error/reason", "detail"],
+    )
+    return 0
+
+
+def _confirm(count: int, verb: str, args: argparse.Namespace) -> bool:
+    if args.ids or args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise _Failed(f"{verb} by filter would touch {count} message(s); pass --yes to confirm")
+    answer = input(f"{verb} {count} message(s)? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
+    where = _filter(args, args.ids)
+    actor = args.actor or getpass.getuser()
+    if not args.ids:
+        allowed = ops.REQUEUABLE if args.command == "requeue" else ops.DISCARDABLE
+        if where.empty:
+            raise _Failed(f"give message ids or a filter; {args.command} never acts on everything")
+        candidates = [r for r in ops.list_messages(engine, where, limit=10**9) if r.status in allowed]
+        if not _confirm(len(candidates), args.command, args):
+            print("nothing done")
+            return 0
+    if args.command == "requeue":
+        pairs = ops.requeue(engine, where, reason=args.reason, actor=actor)
+        if args.json:
+            _print_json([{"old_id": old, "new_id": new} for old, new in pairs])
+        else:
+            for old, new in pairs:
+                print(f"requeued {old} as {new}")
+            print(f"{len(pairs)} message(s) requeued")
+    else:
+        ids = ops.discard(engine, where, reason=args.reason, actor=actor)
+        if args.json:
+            _print_json({"discarded": ids})
+        else:
+            print(f"{len(ids)} message(s) discarded" + (f": {', '.join(map(str, ids))}" if ids else ""))
+    return 0
+
+
+def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
+    result = ops.purge(
+        engine,
+        delivered_older_than=args.delivered_older_than,
+        history_older_than=args.history_older_than,
+        batch_size=args.batch_size,
+    )
+    if args.json:
+        _print_json({"messages": result.messages, "attempts": result.attempts, "batches": result.batches})
+    else:
+        print(f"purged {result.messages} message(s) and {result.attempts} history row(s)")
+    return 0
+
+
+_COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
+    "stats": _cmd_stats,
+    "list": _cmd_list,
+    "show": _cmd_show,
+    "requeue": _cmd_act,
+    "discard": _cmd_act,
+    "purge": _cmd_purge,
+}
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    url = _database_url(parser, args.database_url)
+    shown = make_url(url).render_as_string(hide_password=True)
     if args.command == "migrate":
-        url = _database_url(parser, args.database_url)
-        shown = make_url(url).render_as_string(hide_password=True)
         try:
             upgrade(url, args.revision)
         except SQLAlchemyError as error:
-            reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
-            print(f"outbox migrate: cannot migrate {shown}: {reason}", file=sys.stderr)
+            print(f"{PROG} migrate: cannot migrate {shown}: {_one_line(error)}", file=sys.stderr)
             return 1
         except Exception as error:  # alembic's CommandError and friends: one line, no traceback
-            print(f"outbox migrate: {error}", file=sys.stderr)
+            print(f"{PROG} migrate: {error}", file=sys.stderr)
             return 1
-        print(f"outbox migrate: {shown} is at {args.revision}")
+        print(f"{PROG} migrate: {shown} is at {args.revision}")
         return 0
-    parser.error(f"unknown command {args.command!r}")  # argparse refuses first; never returns
+    try:
+        engine = create_engine(url)
+    except Exception as error:
+        print(f"{PROG} {args.command}: cannot use {shown}: {_one_line(error)}", file=sys.stderr)
+        return 2
+    try:
+        return _COMMANDS[args.command](engine, args)
+    except (ops.OpsError, _Failed) as error:
+        print(f"{PROG} {args.command}: {error}", file=sys.stderr)
+        return 1
+    except SQLAlchemyError as error:
+        print(f"{PROG} {args.command}: database error on {shown}: {_one_line(error)}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,401 @@
+"""Operations on stored messages: stats, listing, inspection, requeue, discard, retention.
+
+The ``outbox`` command and any dashboard call these. Every action that changes
+what will happen to a message appends a history row naming the actor and the
+reason; a dead message is never edited (requeue makes a new message that
+points back at it), so the audit trail stays complete.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Select, delete, func, insert, literal, select, update
+from sqlalchemy.engine import Connection, Engine, Row
+
+from ._exceptions import OutboxError
+from ._redact import Redactor
+from ._retention import history_purge_allowed
+from ._tables import outbox_attempt, outbox_message
+
+__all__ = [
+    "MessageFilter",
+    "NotFound",
+    "OpsError",
+    "PurgeResult",
+    "Stats",
+    "discard",
+    "list_messages",
+    "parse_duration",
+    "purge",
+    "requeue",
+    "show",
+    "stats",
+]
+
+m = outbox_message
+a = outbox_attempt
+
+REQUEUABLE = ("dead", "discarded")
+DISCARDABLE = ("pending", "dead")
+
+
+class OpsError(OutboxError):
+    """An operation was asked for something it must refuse (wrong status, bad filter, bad duration)."""
+
+
+class NotFound(OpsError):
+    """No message has the given id."""
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` → timedelta; anything else is refused."""
+    match = _DURATION.match(text)
+    if not match:
+        raise OpsError(f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)")
+    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    by_status: dict[str, int]
+    by_handler_status: dict[str, dict[str, int]]
+    oldest_pending_age_s: dict[str, float]  # per queue, due messages only
+    delivered_last_hour: int
+    failed_last_hour: int  # attempts that did not deliver (retry, failed, timeout, dead, lease_expired)
+    dead: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "by_status": self.by_status,
+            "by_handler_status": self.by_handler_status,
+            "oldest_pending_age_s": self.oldest_pending_age_s,
+            "delivered_last_hour": self.delivered_last_hour,
+            "failed_last_hour": self.failed_last_hour,
+            "dead": self.dead,
+        }
+
+
+def stats(engine: Engine) -> Stats:
+    now = _now()
+    hour_ago = now - timedelta(hours=1)
+    with engine.connect() as conn:
+        by_handler: dict[str, dict[str, int]] = {}
+        by_status: dict[str, int] = {}
+        for handler, status, count in conn.execute(
+            select(m.c.handler, m.c.status, func.count()).group_by(m.c.handler, m.c.status)
+        ):
+            by_handler.setdefault(handler, {})[status] = count
+            by_status[status] = by_status.get(status, 0) + count
+        oldest = {
+            queue: max(0.0, (now - first).total_seconds())
+            for queue, first in conn.execute(
+                select(m.c.queue, func.min(m.c.available_at))
+                .where(m.c.status == "pending", m.c.available_at <= literal(now, m.c.available_at.type))
+                .group_by(m.c.queue)
+            )
+            if first is not None
+        }
+        outcomes: dict[str, int] = dict(
+            conn.execute(
+                select(a.c.outcome, func.count())
+                .where(a.c.started_at >= literal(hour_ago, a.c.started_at.type))
+                .group_by(a.c.outcome)
+            ).all()
+        )
+    failed = sum(outcomes.get(o, 0) for o in ("retry", "failed", "timeout", "dead", "lease_expired"))
+    return Stats(
+        by_status=by_status,
+        by_handler_status=by_handler,
+        oldest_pending_age_s=oldest,
+        delivered_last_hour=outcomes.get("delivered", 0),
+        failed_last_hour=failed,
+        dead=by_status.get("dead", 0),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MessageFilter:
+    """Equality filters plus a created-at window; every field optional."""
+
+    status: str | None = None
+    handler: str | None = None
+    event_type: str | None = None
+    queue: str | None = None
+    key: str | None = None
+    group_key: str | None = None
+    created_since: datetime | None = None
+    created_before: datetime | None = None
+    ids: Sequence[int] = field(default_factory=tuple)
+
+    def apply(self, stmt: Select[Any]) -> Select[Any]:
+        from ._tables import MESSAGE_STATUSES
+
+        if self.status is not None and self.status not in MESSAGE_STATUSES:
+            raise OpsError(f"unknown status {self.status!r}; one of {', '.join(MESSAGE_STATUSES)}")
+        for column, value in (
+            (m.c.status, self.status),
+            (m.c.handler, self.handler),
+            (m.c.event_type, self.event_type),
+            (m.c.queue, self.queue),
+            (m.c.idempotency_key, self.key),
+            (m.c.group_key, self.group_key),
+        ):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        if self.created_since is not None:
+            stmt = stmt.where(m.c.created_at >= literal(self.created_since, m.c.created_at.type))
+        if self.created_before is not None:
+            stmt = stmt.where(m.c.created_at < literal(self.created_before, m.c.created_at.type))
+        if self.ids:
+            stmt = stmt.where(m.c.id.in_(list(self.ids)))
+        return stmt
+
+    @property
+    def empty(self) -> bool:
+        return self == MessageFilter()
+
+
+def list_messages(
+    engine: Engine, where: MessageFilter | None = None, *, limit: int = 50, before_id: int | None = None
+) -> list[Row[Any]]:
+    """Newest first. Page with ``before_id`` = the last id of the previous page (stable under inserts)."""
+    if limit < 1:
+        raise OpsError(f"limit must be at least 1, got {limit}")
+    stmt = (where or MessageFilter()).apply(
+        select(
+            m.c.id,
+            m.c.event_type,
+            m.c.handler,
+            m.c.queue,
+            m.c.status,
+            m.c.attempts,
+            m.c.max_attempts,
+            m.c.idempotency_key,
+            m.c.group_key,
+            m.c.created_at,
+            m.c.available_at,
+            m.c.last_error,
+            m.c.requeued_from,
+        )
+    )
+    if before_id is not None:
+        stmt = stmt.where(m.c.id < before_id)
+    with engine.connect() as conn:
+        return list(conn.execute(stmt.order_by(m.c.id.desc()).limit(limit)))
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHistory:
+    message: dict[str, Any]
+    attempts: list[dict[str, Any]]
+
+
+def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> MessageHistory:
+    """A message (payload and headers with secret-looking fields masked) and its attempts in order."""
+    redactor = Redactor(secrets)
+    with engine.connect() as conn:
+        row = conn.execute(select(m).where(m.c.id == message_id)).first()
+        if row is None:
+            raise NotFound(f"no message with id {message_id}")
+        attempts = list(conn.execute(select(a).where(a.c.message_id == message_id).order_by(a.c.id)))
+    message = dict(row._mapping)
+    message["payload"] = redactor.value(message["payload"])
+    message["headers"] = redactor.value(message["headers"])
+    return MessageHistory(message=message, attempts=[dict(r._mapping) for r in attempts])
+
+
+# -- acting ---------------------------------------------------------------------------------
+
+
+def _check_reason(reason: str, actor: str) -> None:
+    if not isinstance(reason, str) or not reason.strip():
+        raise OpsError("a reason is required: it is what the audit trail will say")
+    if not isinstance(actor, str) or not actor.strip():
+        raise OpsError("an actor is required")
+
+
+def _select_targets(
+    conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str
+) -> list[Row[Any]]:
+    if where.empty:
+        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
+    stmt = where.apply(select(m)).order_by(m.c.id)
+    if conn.dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    rows = list(conn.execute(stmt))
+    if where.ids:
+        found = {r.id for r in rows}
+        missing = [i for i in where.ids if i not in found]
+        if missing:
+            raise NotFound(f"no message with id {', '.join(map(str, missing))}")
+        wrong = [r for r in rows if r.status not in allowed]
+        if wrong:
+            listed = ", ".join(f"{r.id} ({r.status})" for r in wrong)
+            raise OpsError(f"can only {verb} {' or '.join(allowed)} messages; not {listed}")
+        return rows
+    return [r for r in rows if r.status in allowed]
+
+
+def requeue(engine: Engine, where: MessageFilter, *, reason: str, actor: str) -> list[tuple[int, int]]:
+    """Give dead (or discarded) messages a fresh start as new messages; returns (old id, new id) pairs.
+
+    The old row is not touched: a ``requeued`` history row on it names the
+    actor, the reason and the new id. The copy keeps the event id, payload,
+    route, group and aggregate; its idempotency key gains a ``~requeue:<old id>``
+    suffix, because (route, key) is unique and the old row still holds the key.
+    """
+    _check_reason(reason, actor)
+    now = _now()
+    pairs: list[tuple[int, int]] = []
+    with engine.begin() as conn:
+        for old in _select_targets(conn, where, REQUEUABLE, "requeue"):
+            key = f"{old.idempotency_key}~requeue:{old.id}"[:255] if old.idempotency_key else None
+            new_id = conn.execute(
+                insert(m)
+                .values(
+                    event_id=old.event_id,
+                    event_type=old.event_type,
+                    handler=old.handler,
+                    queue=old.queue,
+                    priority=old.priority,
+                    payload=old.payload,
+                    headers=old.headers,
+                    aggregate_type=old.aggregate_type,
+                    aggregate_id=old.aggregate_id,
+                    idempotency_key=key,
+                    group_key=old.group_key,
+                    status="pending",
+                    attempts=0,
+                    max_attempts=old.max_attempts,
+                    available_at=now,
+                    created_at=now,
+                    updated_at=now,
+                    requeued_from=old.id,
+                )
+                .returning(m.c.id)
+            ).scalar_one()
+            conn.execute(
+                insert(a).values(
+                    message_id=old.id,
+                    attempt=old.attempts,
+                    outcome="requeued",
+                    started_at=now,
+                    finished_at=now,
+                    duration_ms=0,
+                    actor=actor,
+                    reason=reason,
+                    detail={"new_id": new_id, "previous_status": old.status},
+                )
+            )
+            pairs.append((old.id, new_id))
+    return pairs
+
+
+def discard(engine: Engine, where: MessageFilter, *, reason: str, actor: str) -> list[int]:
+    """Mark pending or dead messages as no longer wanted; each gets a ``discarded`` history row."""
+    _check_reason(reason, actor)
+    now = _now()
+    done: list[int] = []
+    with engine.begin() as conn:
+        for old in _select_targets(conn, where, DISCARDABLE, "discard"):
+            changed = conn.execute(
+                update(m)
+                .where(m.c.id == old.id, m.c.status.in_(DISCARDABLE))
+                .values(status="discarded", updated_at=now, locked_by=None, locked_until=None)
+            ).rowcount
+            if not changed:
+                continue
+            conn.execute(
+                insert(a).values(
+                    message_id=old.id,
+                    attempt=old.attempts,
+                    outcome="discarded",
+                    started_at=now,
+                    finished_at=now,
+                    duration_ms=0,
+                    actor=actor,
+                    reason=reason,
+                    detail={"previous_status": old.status},
+                )
+            )
+            done.append(old.id)
+    return done
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    messages: int
+    attempts: int
+    batches: int
+
+
+def purge(
+    engine: Engine,
+    *,
+    delivered_older_than: timedelta,
+    history_older_than: timedelta | None = None,
+    batch_size: int = 1000,
+    actor: str = "outbox purge",
+) -> PurgeResult:
+    """Delete finished messages (delivered or discarded) and, optionally, old history, in small batches.
+
+    Each batch is its own short transaction, so no long lock is held. A
+    message's history outlives the message unless ``history_older_than`` also
+    removes it; dead messages are never purged (they wait for an operator).
+    The purge records itself: its counts go into a ``retention`` log line and
+    into the ``outbox_attempt`` rows it keeps (see docs/operations.md).
+    """
+    if batch_size < 1:
+        raise OpsError("batch_size must be at least 1")
+    cutoff = literal(_now() - delivered_older_than, m.c.updated_at.type)
+    copy = m.alias("copy")
+    messages = attempts = batches = 0
+    while True:
+        with engine.begin() as conn:
+            ids = list(
+                conn.execute(
+                    select(m.c.id)
+                    .where(m.c.status.in_(("delivered", "discarded")), m.c.updated_at < cutoff)
+                    # An original that a requeued copy points at stays while the copy exists.
+                    .where(~select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists())
+                    .order_by(m.c.id)
+                    .limit(batch_size)
+                ).scalars()
+            )
+            if not ids:
+                break
+            messages += conn.execute(delete(m).where(m.c.id.in_(ids))).rowcount
+            batches += 1
+    if history_older_than is not None:
+        history_cutoff = literal(_now() - history_older_than, a.c.started_at.type)
+        while True:
+            with engine.begin() as conn, history_purge_allowed(conn):
+                ids = list(
+                    conn.execute(
+                        select(a.c.id)
+                        .where(a.c.started_at < history_cutoff)
+                        .order_by(a.c.id)
+                        .limit(batch_size)
+                    ).scalars()
+                )
+                if not ids:
+                    break
+                attempts += conn.execute(delete(a).where(a.c.id.in_(ids))).rowcount
+                batches += 1
+    return PurgeResult(messages=messages, attempts=attempts, batches=batches)
