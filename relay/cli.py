@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from sqlalchemy.exc import ArgumentError
 from outbox import ConfigurationError, Outbox
 
 from .logs import configure
+from .metrics import RelayMetrics
 from .worker import DatabaseUnavailable, Relay
 
 __all__ = ["load_app", "main"]
@@ -114,6 +116,17 @@ def _parser() -> argparse.ArgumentParser:
         default=bool(_env("NO_LISTEN")),
         help="poll only, no LISTEN/NOTIFY (for pgbouncer in transaction pooling mode)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=_number(int, 0, inclusive=True),
+        default=_env("METRICS_PORT"),
+        help="serve Prometheus /metrics, /healthz and /readyz on this port (needs the metrics extra)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=_env("METRICS_HOST") or "127.0.0.1",
+        help="address for --metrics-port (default: 127.0.0.1; 0.0.0.0 in a container)",
+    )
     p.add_argument("--once", action="store_true", help="deliver what is due now, then exit")
     p.add_argument(
         "--log-level",
@@ -170,8 +183,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ArgumentError:
         parser.error(f"--database-url {args.database_url!r} is not a SQLAlchemy database URL")
     configure(args.log_level, args.log_format)
+    metrics = None
     try:
         ob = load_app(args.app)
+        if args.metrics_port is not None:
+            metrics = RelayMetrics()
+            port = metrics.serve(args.metrics_host, int(args.metrics_port))
+            logging.getLogger("outbox.relay").info(
+                "metrics on http://%s:%d/metrics", args.metrics_host, port, extra={"action": "metrics"}
+            )
         relay = Relay(
             ob,
             args.database_url,
@@ -184,9 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             listen=not args.no_listen,
             group_policy=args.group_policy,
             relay_id=args.relay_id,
+            metrics=metrics,
         )
     except ConfigurationError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
+        if metrics is not None:
+            metrics.close()
         return 2
     try:
         if args.once:
@@ -200,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DatabaseUnavailable as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
 
 

@@ -38,6 +38,7 @@ from outbox._routes import check_name
 
 from .db import Listener, make_engine, supports_listen
 from .dispatch import attempt, secrets_of
+from .metrics import RelayMetrics
 from .store import Completion, GroupPolicy, Store, utcnow
 from .threads import DaemonPool
 
@@ -114,6 +115,8 @@ class Relay:
         group_policy: GroupPolicy = "block",
         relay_id: str | None = None,
         seed: int | None = None,
+        metrics: RelayMetrics | None = None,
+        metrics_interval: float = 10.0,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(f"Relay needs an outbox.Outbox, got {outbox!r}")
@@ -149,6 +152,13 @@ class Relay:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.listener: Listener | None = None
+        self.metrics = metrics
+        self.metrics_interval: float = _positive("metrics_interval", metrics_interval)
+        if metrics is not None:
+            for route in outbox.routes:
+                states = getattr(route.handler, "outbox_breaker_states", None)
+                if callable(states):
+                    metrics.watch_breakers(states)
 
     def __repr__(self) -> str:
         return f"<Relay {self.id} routes={len(self._routes)}>"
@@ -291,6 +301,11 @@ class Relay:
             if self.listen:
                 self.listener = Listener(self.engine, on_notify=self._wake.set, on_listening=self._wake.set)
                 self._background.append(asyncio.create_task(self.listener.run(), name="outbox-listen"))
+            if self.metrics is not None:
+                listener = self.listener
+                self.metrics.watch_listener(lambda: listener is None or listener.connected.is_set())
+                self.metrics.up.set(1)
+                self._background.append(asyncio.create_task(self._refresh_metrics(), name="outbox-metrics"))
             log.info(
                 "relay %s started: routes=%s queues=%s concurrency=%d listen=%s",
                 self.id,
@@ -310,6 +325,8 @@ class Relay:
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
             await self._shutdown_handlers()
+            if self.metrics is not None:
+                self.metrics.up.set(0)
             if install_signal_handlers:
                 self._remove_signals()
             self._close()
@@ -324,6 +341,8 @@ class Relay:
             try:
                 _, more = await self._claim_round(discover=discover)
                 failures = 0
+                if self.metrics is not None:
+                    self.metrics.database_ok()
             except SQLAlchemyError as exc:
                 failures += 1
                 delay = min(30.0, 0.25 * 2 ** min(failures - 1, 10))
@@ -493,6 +512,8 @@ class Relay:
             self._announce(message, completion)
 
     def _announce(self, message: Message, completion: Completion) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(message, completion)
         extra = {
             "relay_id": self.id,
             "message_id": message.id,
@@ -547,6 +568,15 @@ class Relay:
                 extra={"action": "dead", **extra},
             )
             signals.message_dead.send(self.outbox, relay=self, message=message, error=completion.error)
+
+    async def _refresh_metrics(self) -> None:
+        assert self.metrics is not None
+        while True:
+            try:
+                await self._db(self.metrics.refresh, self.engine)
+            except SQLAlchemyError as exc:
+                log.warning("metrics query failed (%s)", _first_line(exc), extra={"action": "db_error"})
+            await asyncio.sleep(self.metrics_interval)
 
     # -- leases ------------------------------------------------------------------------------
 

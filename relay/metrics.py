@@ -1,0 +1,226 @@
+"""Prometheus metrics and health endpoints for one relay.
+
+Counters and histograms are updated as outcomes are recorded; gauges that need
+the database (messages by status, oldest due message per queue) come from one
+cheap query on a schedule, never per scrape, so a scraping Prometheus cannot
+load the database. Each relay has its own registry: several relays in one test
+process do not mix their figures.
+
+Endpoints on ``--metrics-port``: ``/metrics``, ``/healthz`` (the process
+answers) and ``/readyz`` (the last database round trip succeeded recently and,
+when LISTEN is enabled, the LISTEN connection is up).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+
+from outbox import ConfigurationError, Message, outbox_message
+
+from .store import Completion
+
+__all__ = ["RelayMetrics"]
+
+m = outbox_message
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+    900,
+    3600,
+)
+_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RelayMetrics:
+    def __init__(self, *, stale_after: float = 30.0) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        except ImportError:
+            raise ConfigurationError(
+                "metrics need prometheus-client: pip install 'sqlalchemy-outbox[metrics]'"
+            ) from None
+        self.registry = CollectorRegistry()
+        self.deliveries = Counter(
+            "outbox_deliveries",
+            "Attempts recorded, by route and outcome",
+            ["handler", "outcome"],
+            registry=self.registry,
+        )
+        self.attempt_duration = Histogram(
+            "outbox_attempt_duration_seconds",
+            "How long handlers ran",
+            ["handler"],
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "outbox_delivery_latency_seconds",
+            "From the emitting transaction's commit to the end of the successful attempt",
+            ["handler"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.messages = Gauge(
+            "outbox_messages",
+            "Messages by status (delivered is not counted)",
+            ["status"],
+            registry=self.registry,
+        )
+        self.oldest_due = Gauge(
+            "outbox_oldest_pending_age_seconds",
+            "Age of the oldest due pending message, by queue",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.up = Gauge("outbox_relay_up", "1 while the relay is serving", registry=self.registry)
+        self.breaker_open = Gauge(
+            "outbox_breaker_open",
+            "1 while a destination's circuit breaker is open",
+            ["destination"],
+            registry=self.registry,
+        )
+        self.stale_after = stale_after
+        self._last_db_ok = 0.0
+        self._listening: Callable[[], bool] = lambda: True
+        self._server: ThreadingHTTPServer | None = None
+        self._breakers: list[Callable[[], dict[str, bool]]] = []
+        self._queues: set[str] = set()
+
+    # -- fed by the relay ------------------------------------------------------------
+
+    def observe(self, message: Message, completion: Completion) -> None:
+        self.deliveries.labels(message.handler, completion.outcome).inc()
+        seconds = (completion.finished_at - completion.started_at).total_seconds()
+        self.attempt_duration.labels(message.handler).observe(max(seconds, 0.0))
+        if completion.status == "delivered" and message.created_at is not None:
+            self.latency.labels(message.handler).observe(
+                max((completion.finished_at - message.created_at).total_seconds(), 0.0)
+            )
+
+    def database_ok(self) -> None:
+        self._last_db_ok = time.monotonic()
+
+    def watch_listener(self, connected: Callable[[], bool]) -> None:
+        self._listening = connected
+
+    def watch_breakers(self, states: Callable[[], dict[str, bool]]) -> None:
+        """A handler with breakers reports ``{destination: is_open}``."""
+        self._breakers.append(states)
+
+    def refresh(self, engine: Engine) -> None:
+        """The scheduled query behind the gauges (pending, running, dead only: indexed, small)."""
+        now = datetime.now(UTC)
+        with engine.connect() as conn:
+            counts: dict[str, int] = dict(
+                conn.execute(
+                    select(m.c.status, func.count())
+                    .where(m.c.status.in_(("pending", "running", "dead")))
+                    .group_by(m.c.status)
+                ).all()
+            )
+            oldest = conn.execute(
+                select(m.c.queue, func.min(m.c.available_at))
+                .where(m.c.status == "pending", m.c.available_at <= _now_expr(engine, now))
+                .group_by(m.c.queue)
+            ).all()
+        for status in ("pending", "running", "dead"):
+            self.messages.labels(status).set(counts.get(status, 0))
+        seen: set[str] = set()
+        for queue, first in oldest:
+            if first is not None:
+                seen.add(queue)
+                self.oldest_due.labels(queue).set(max((now - first).total_seconds(), 0.0))
+        for queue in self._queues - seen:  # queues that drained go back to 0
+            self.oldest_due.labels(queue).set(0)
+        self._queues |= seen
+        for states in self._breakers:
+            for destination, is_open in states().items():
+                self.breaker_open.labels(destination).set(1 if is_open else 0)
+        self.database_ok()
+
+    # -- health -----------------------------------------------------------------------
+
+    def ready(self) -> tuple[bool, str]:
+        if time.monotonic() - self._last_db_ok > self.stale_after:
+            return False, "database not reached recently"
+        if not self._listening():
+            return False, "LISTEN connection down"
+        return True, "ok"
+
+    # -- HTTP -------------------------------------------------------------------------
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the endpoint in a daemon thread; returns the bound port (useful with port 0)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        metrics = self
+
+        class Endpoint(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._reply(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    self._reply(200, b"ok\n", "text/plain")
+                elif path == "/readyz":
+                    ok, why = metrics.ready()
+                    self._reply(200 if ok else 503, f"{why}\n".encode(), "text/plain")
+                else:
+                    self._reply(404, b"not found\n", "text/plain")
+
+            def _reply(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+                pass
+
+        try:
+            self._server = ThreadingHTTPServer((host, port), Endpoint)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="outbox-metrics", daemon=True).start()
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _now_expr(engine: Engine, now: datetime) -> Any:
+    if engine.dialect.name == "postgresql":
+        return func.now()
+    from sqlalchemy import literal
+
+    return literal(now, m.c.available_at.type)
