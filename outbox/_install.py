@@ -38,7 +38,9 @@ def _sync_class_of_async_maker(maker: Any) -> type[Session]:
     """An async_sessionmaker makes plain AsyncSessions; give it a sync class of its own.
 
     Without that, its sessions would share the global ``Session`` class and an
-    install would leak to every session in the process.
+    install would leak to every session in the process. The same holds for a
+    ``sessionmaker(class_=AsyncSession)``: its ``class_`` is an AsyncSession,
+    which takes no session events, and its sessions run on ``Session``.
     """
     configured = maker.kw.get("sync_session_class")
     if configured is None:
@@ -56,7 +58,9 @@ def _resolve(target: Any) -> type[Session]:
         return _resolve_sync(target)
     if isinstance(target, async_scoped_session):
         target = target.session_factory
-    if isinstance(target, async_sessionmaker):
+    if isinstance(target, async_sessionmaker) or (
+        isinstance(target, sessionmaker) and issubclass(target.class_, AsyncSession)
+    ):
         return _sync_class_of_async_maker(target)
     if isinstance(target, type) and issubclass(target, AsyncSession):
         return target.sync_session_class
@@ -175,12 +179,12 @@ def install(outbox: Outbox, target: Any) -> None:
             f"{cls.__name__} sessions are already served by another Outbox; give each Outbox "
             "its own sessionmaker, or uninstall the other first"
         )
-    _served[cls] = outbox
     if cls not in _listeners:
         listeners = _listeners_for(cls)
         for name, fn in listeners:
             event.listen(cls, name, fn)
         _listeners[cls] = listeners
+    _served[cls] = outbox
 
 
 def uninstall(outbox: Outbox, target: Any) -> None:

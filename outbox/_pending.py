@@ -60,8 +60,18 @@ def _boundary(transaction: SessionTransaction) -> SessionTransaction:
 
 
 def innermost(session: Session) -> SessionTransaction | None:
-    """The transaction a statement would run in now: the open savepoint, else the root."""
-    return session.get_nested_transaction() or session.get_transaction()
+    """The transaction a statement would run in now: the open savepoint, else the root.
+
+    A session that autobegins begins its root now, as ``session.add()`` does, so
+    an event emitted between transactions belongs to a transaction whose
+    rollback or close discards it. Otherwise a ``rollback()`` or ``close()``
+    with nothing begun would leave it buffered, and the next commit would store
+    it. (A session with autobegin off keeps it untagged until ``begin()``.)
+    """
+    current = session.get_nested_transaction() or session.get_transaction()
+    if current is None and session.autobegin:
+        current = session.begin()
+    return current
 
 
 @dataclass(slots=True)
