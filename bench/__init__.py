@@ -1,0 +1,6 @@
+"""Benchmarks for sqlalchemy-outbox: ``python -m bench --database-url URL [--quick] [--json PATH]``.
+
+Never timed tests: each mode measures one thing, verifies its own result
+(every message delivered exactly once, one history row per attempt) and
+refuses to report a figure otherwise. See ``docs/performance.md``.
+"""

@@ -1,0 +1,104 @@
+"""Mode 3: the fastest this schema allows here, a hand-written psycopg claim/complete loop.
+
+Same tables, same backlog, same semantics as the relay, none of its machinery:
+one connection, and per batch
+
+1. the claim: one ``UPDATE ... WHERE id IN (SELECT ... ORDER BY priority, id
+   LIMIT n FOR UPDATE SKIP LOCKED) RETURNING`` (the relay's predicate: due,
+   pending, this queue, these handlers, group free), its own transaction,
+   returning every column a handler's Message needs;
+2. the outcome: in one pipelined transaction, one ``UPDATE ... WHERE id =
+   ANY(...)`` marking the batch delivered and one ``INSERT ... SELECT FROM
+   unnest(...)`` writing one history row per message.
+
+Two transactions per batch, as the relay needs (a claim must be committed
+before work starts, so its lease is visible to other relays), and no handler.
+The clock runs from the first claim to the last commit. The loop runs three
+times, each on a fresh database, and the best run is the ceiling: its spread
+between runs on this machine (9,100 to 14,500/s) is larger than a ceiling
+should be moved by.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from .app import ob
+from .harness import Scratch, conninfo, prefill
+from .verify import Expected, check_delivered
+
+__all__ = ["ceiling"]
+
+RELAY_ID = "ceiling"
+
+CLAIM = """
+UPDATE outbox_message
+SET status = 'running', locked_by = %(relay)s, locked_until = now() + interval '30 seconds',
+    attempts = attempts + 1, updated_at = now()
+WHERE id IN (
+    SELECT id FROM outbox_message AS m
+    WHERE status = 'pending' AND queue = %(queue)s AND handler = ANY(%(handlers)s)
+      AND available_at <= now()
+      AND (group_key IS NULL OR NOT EXISTS (
+          SELECT 1 FROM outbox_message AS e
+          WHERE e.handler = m.handler AND e.group_key = m.group_key AND e.id < m.id
+            AND e.status IN ('pending', 'running', 'dead')))
+    ORDER BY priority, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED)
+RETURNING id, event_id, event_type, handler, queue, priority, payload, headers, idempotency_key,
+          group_key, attempts, max_attempts, aggregate_type, aggregate_id, created_at
+"""
+
+DELIVERED = """
+UPDATE outbox_message
+SET status = 'delivered', delivered_at = now(), locked_by = NULL, locked_until = NULL, updated_at = now()
+WHERE id = ANY(%(ids)s) AND locked_by = %(relay)s AND status = 'running'
+"""
+
+HISTORY = """
+INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at, finished_at, duration_ms, relay_id)
+SELECT id, attempt, 'delivered', started, finished, 0, %(relay)s
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(started)s::timestamptz[], %(finished)s::timestamptz[])
+     AS t(id, attempt, started, finished)
+"""
+
+
+def ceiling(scratch: Scratch, *, count: int, batch_size: int, runs: int = 3) -> dict[str, Any]:
+    """The best of ``runs`` loops, each on a fresh database: a ceiling should not be lowered by noise."""
+    rates = [_loop(scratch, f"ceiling{i + 1}", count=count, batch_size=batch_size) for i in range(runs)]
+    return {"per_s": max(rates), "runs": rates}
+
+
+def _loop(scratch: Scratch, purpose: str, *, count: int, batch_size: int) -> float:
+    url = scratch.postgres(purpose)
+    prefill(url, "noop", count)
+    route = ob.get_route("noop")
+    claim = {"relay": RELAY_ID, "queue": route.queue, "handlers": ["noop"], "limit": batch_size}
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        began = time.perf_counter()
+        while True:
+            rows = conn.execute(CLAIM, claim).fetchall()
+            if not rows:
+                break
+            started = datetime.now(UTC)
+            ids = [row[0] for row in rows]
+            attempts = [row[10] for row in rows]
+            finished = datetime.now(UTC)
+            outcome = {
+                "relay": RELAY_ID,
+                "ids": ids,
+                "attempts": attempts,
+                "started": [started] * len(ids),
+                "finished": [finished] * len(ids),
+            }
+            with conn.pipeline(), conn.transaction():
+                conn.execute(DELIVERED, outcome)
+                conn.execute(HISTORY, outcome)
+        seconds = time.perf_counter() - began
+    check_delivered(url, Expected(count, relays=[RELAY_ID]))
+    return count / seconds
