@@ -35,6 +35,8 @@ __all__ = ["load_app", "main"]
 
 PROG = "outbox-relay"
 
+log = logging.getLogger("outbox.relay")
+
 
 def _env(name: str) -> str | None:
     return os.environ.get(f"OUTBOX_{name}") or None
@@ -214,10 +216,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.once:
             result = relay.run_until_idle()
-            print(
-                f"{PROG}: delivered {result.delivered}, retrying {result.retried}, dead {result.dead}",
-                file=sys.stderr,
-            )
+            summary = f"delivered {result.delivered}, retrying {result.retried}, dead {result.dead}"
+            if args.log_format == "json":
+                # A log collector reading JSON lines must not get one line of prose at the end.
+                log.info(
+                    summary,
+                    extra={
+                        "action": "drained",
+                        "delivered": result.delivered,
+                        "retried": result.retried,
+                        "dead": result.dead,
+                        "recovered": result.recovered,
+                    },
+                )
+            else:
+                print(f"{PROG}: {summary}", file=sys.stderr)
         else:
             relay.run(install_signal_handlers=True)
     except DatabaseUnavailable as exc:

@@ -36,9 +36,10 @@ def make_engine(target: Engine | str | URL) -> Engine:
     except Exception as exc:  # sqlalchemy raises ArgumentError with a decent message
         raise ConfigurationError(f"invalid database URL: {exc}") from None
     try:
-        # pre-ping: after a server restart the pool hands out a live connection,
-        # not a dead one that fails the next claim.
-        return create_engine(url, pool_pre_ping=True)
+        # No pre-ping: it would cost a round trip per statement on the hot path.
+        # After a server restart the first statement fails as a disconnect,
+        # SQLAlchemy invalidates the whole pool, and the relay retries.
+        return create_engine(url)
     except Exception as exc:
         raise ConfigurationError(f"cannot use database URL {url.render_as_string()}: {exc}") from None
 

@@ -11,6 +11,7 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import json
 import random
 import time
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,10 @@ from .store import Completion, utcnow
 __all__ = ["attempt", "is_async_handler", "to_message"]
 
 _ERROR_LIMIT = 2000
+_NAME_LIMIT = 255  # outbox_attempt.error_type is a VARCHAR(255)
+#: The longest retry a handler may ask for: ``RetryLater(delay=float("inf"))`` (or a hostile
+#: ``Retry-After``) would otherwise overflow the timestamp arithmetic when the outcome is written.
+MAX_RETRY_DELAY = 365 * 24 * 3600.0
 
 
 def to_message(row: Any) -> Message:
@@ -91,7 +96,9 @@ async def attempt(
     last = message.attempt >= row.max_attempts
     refund = False
     try:
-        returned = await asyncio.wait_for(_invoke(route.handler, message, executor), timeout=route.timeout)
+        # asyncio.timeout, not wait_for: no extra Task per message on the hot path.
+        async with asyncio.timeout(route.timeout):
+            returned = await _invoke(route.handler, message, executor)
         # A handler may return facts about the delivery (HTTP status, SMTP queue id).
         if isinstance(returned, Mapping):
             detail = redactor.mapping(returned)
@@ -129,6 +136,8 @@ async def attempt(
             retry_in = route.backoff.delay(message.attempt, rng)
     # Wall-clock stamps place the attempt in time; the monotonic clock measures it.
     finished = started + timedelta(seconds=time.monotonic() - clock)
+    # Outcomes are written in batches: one that the database refuses would hold back every
+    # other outcome in its batch, so whatever a handler produced is made storable here.
     return message, Completion(
         message_id=message.id,
         attempt=message.attempt,
@@ -136,12 +145,44 @@ async def attempt(
         status=status,
         started_at=started,
         finished_at=finished,
-        retry_in=retry_in,
-        error_type=error_type,
-        error=error,
-        detail=detail,
+        retry_in=min(retry_in, MAX_RETRY_DELAY),
+        error_type=None if error_type is None else _storable_text(error_type)[:_NAME_LIMIT],
+        error=None if error is None else _storable_text(error),
+        detail=_storable_detail(detail),
         refund=refund,
     )
+
+
+def _storable_text(text: str) -> str:
+    # PostgreSQL text and JSON cannot hold NUL; an exception quoting a binary reply often does.
+    return text.replace("\x00", "\\x00")
+
+
+def _storable_detail(detail: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Plain JSON for the history's detail column.
+
+    Datetimes, UUIDs and Decimals become strings; so do NaN and infinities,
+    which PostgreSQL's JSON types reject. A mapping that cannot be serialised
+    at all (a cycle, non-string keys) is stored as its repr.
+    """
+    if detail is None:
+        return None
+    try:
+        plain = json.loads(json.dumps(detail, default=str), parse_constant=str)
+    except Exception:
+        plain = {"unstorable_detail": repr(detail)[:_ERROR_LIMIT]}
+    cleaned: dict[str, Any] = _without_nul(plain)
+    return cleaned
+
+
+def _without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return _storable_text(value)
+    if isinstance(value, dict):
+        return {_storable_text(k): _without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(v) for v in value]
+    return value
 
 
 def _detail_of(exc: BaseException, redactor: Redactor) -> dict[str, Any] | None:

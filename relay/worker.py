@@ -205,6 +205,7 @@ class Relay:
         self._write_lock = asyncio.Lock()
         self._saturated = False
         self._known_queues: set[str] = {r.queue for r in self.outbox.routes}
+        self._next_discovery = 0.0
         self._db_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="outbox-db")
         self._handler_pool = DaemonPool(self.concurrency + 2)
         self._result = DrainResult()
@@ -393,7 +394,10 @@ class Relay:
     async def _queues_to_claim(self, discover: bool) -> list[str]:
         if self.queues is not None:
             return list(self.queues)
-        if discover:
+        # Discovery finds queues named only at emit time; once per poll interval is
+        # enough, and keeps a query off the wake-up path.
+        if discover and time.monotonic() >= self._next_discovery:
+            self._next_discovery = time.monotonic() + self.poll_interval
             self._known_queues.update(await self._db(self.store.pending_queues))
         return sorted(self._known_queues)
 
@@ -484,7 +488,9 @@ class Relay:
             try:
                 await self._write_pending()
                 failures = 0
-            except SQLAlchemyError as exc:
+            except Exception as exc:
+                # Not only database errors: if this task died, outcomes would silently stop being
+                # recorded while leases lapse and every message is delivered again and again.
                 failures += 1
                 delay = min(30.0, 0.25 * 2 ** min(failures - 1, 10))
                 log.warning(
@@ -492,6 +498,7 @@ class Relay:
                     len(self._buffer),
                     _first_line(exc),
                     delay,
+                    exc_info=not isinstance(exc, SQLAlchemyError),
                     extra={"action": "db_error", "relay_id": self.id, "failures": failures},
                 )
                 await asyncio.sleep(delay)
