@@ -24,7 +24,14 @@ from ._migrations import include_object, upgrade
 from ._mixin import OutboxMixin
 from ._outbox import Outbox
 from ._routes import Route
-from ._tables import ATTEMPT_OUTCOMES, MESSAGE_STATUSES, metadata, outbox_attempt, outbox_message
+from ._tables import (
+    ATTEMPT_OUTCOMES,
+    MESSAGE_STATUSES,
+    metadata,
+    outbox_attempt,
+    outbox_message,
+    outbox_retention_run,
+)
 
 __all__ = [
     "Backoff",
@@ -49,6 +56,7 @@ __all__ = [
     "metadata",
     "outbox_attempt",
     "outbox_message",
+    "outbox_retention_run",
     "signals",
     "upgrade",
 ]

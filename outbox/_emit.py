@@ -109,14 +109,12 @@ def emit(
     header_map = check_headers(headers)
     serialise_payload(payload, outbox.payload_limit)
 
-    event_id = (
-        uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()
-    )
+    event_id = uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()
     aggregate_type = None
     if _aggregate is not None:
-        aggregate_type = getattr(type(_aggregate), "__outbox_aggregate_type__", None) or type(
-            _aggregate
-        ).__name__
+        aggregate_type = (
+            getattr(type(_aggregate), "__outbox_aggregate_type__", None) or type(_aggregate).__name__
+        )
     rows = [
         {
             "event_id": event_id,

@@ -92,9 +92,7 @@ def check_headers(headers: Any) -> dict[str, str]:
         if not isinstance(name, str) or not name:
             raise InvalidEmitOption(f"header names must be non-empty strings, got {name!r}")
         if not isinstance(value, str):
-            raise InvalidEmitOption(
-                f"header {name!r} must have a str value, got {type(value).__name__}"
-            )
+            raise InvalidEmitOption(f"header {name!r} must have a str value, got {type(value).__name__}")
         if any(ch in name + value for ch in "\r\n\x00"):
             raise InvalidEmitOption(f"header {name!r} contains a line break or NUL character")
         checked[name] = value

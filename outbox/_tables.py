@@ -35,6 +35,7 @@ __all__ = [
     "metadata",
     "outbox_attempt",
     "outbox_message",
+    "outbox_retention_run",
 ]
 
 MESSAGE_STATUSES: Final = ("pending", "running", "delivered", "dead", "discarded")
@@ -150,5 +151,21 @@ outbox_attempt = Table(
     CheckConstraint(_one_of("outcome", ATTEMPT_OUTCOMES), name="outcome"),
     Index("ix_outbox_attempt_message_id", "message_id", "attempt"),
     Index("ix_outbox_attempt_started_at", "started_at"),
+    sqlite_autoincrement=True,
+)
+
+#: Every purge records itself here: who ran it, with which cutoffs, what it deleted.
+#: History rows are the evidence; this is the evidence of their expiry.
+outbox_retention_run = Table(
+    "outbox_retention_run",
+    metadata,
+    Column("id", RowId, Identity(), primary_key=True),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime),
+    Column("actor", String(255), nullable=False),
+    Column("delivered_before", UTCDateTime, nullable=False),
+    Column("history_before", UTCDateTime),
+    Column("messages_deleted", Integer, nullable=False, server_default=literal_column("0")),
+    Column("attempts_deleted", Integer, nullable=False, server_default=literal_column("0")),
     sqlite_autoincrement=True,
 )

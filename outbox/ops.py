@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 from ._exceptions import OutboxError
 from ._redact import Redactor
 from ._retention import history_purge_allowed
-from ._tables import outbox_attempt, outbox_message
+from ._tables import outbox_attempt, outbox_message, outbox_retention_run
 
 __all__ = [
     "MessageFilter",
@@ -358,12 +358,27 @@ def purge(
     Each batch is its own short transaction, so no long lock is held. A
     message's history outlives the message unless ``history_older_than`` also
     removes it; dead messages are never purged (they wait for an operator).
-    The purge records itself: its counts go into a ``retention`` log line and
-    into the ``outbox_attempt`` rows it keeps (see docs/operations.md).
+    The purge records itself in ``outbox_retention_run`` (actor, cutoffs,
+    counts), written before the first batch and completed after the last, so
+    even an interrupted purge leaves its trace.
     """
     if batch_size < 1:
         raise OpsError("batch_size must be at least 1")
-    cutoff = literal(_now() - delivered_older_than, m.c.updated_at.type)
+    started = _now()
+    delivered_before = started - delivered_older_than
+    history_before = None if history_older_than is None else started - history_older_than
+    with engine.begin() as conn:
+        run_id = conn.execute(
+            insert(outbox_retention_run)
+            .values(
+                started_at=started,
+                actor=actor,
+                delivered_before=delivered_before,
+                history_before=history_before,
+            )
+            .returning(outbox_retention_run.c.id)
+        ).scalar_one()
+    cutoff = literal(delivered_before, m.c.updated_at.type)
     copy = m.alias("copy")
     messages = attempts = batches = 0
     while True:
@@ -382,8 +397,8 @@ def purge(
                 break
             messages += conn.execute(delete(m).where(m.c.id.in_(ids))).rowcount
             batches += 1
-    if history_older_than is not None:
-        history_cutoff = literal(_now() - history_older_than, a.c.started_at.type)
+    if history_before is not None:
+        history_cutoff = literal(history_before, a.c.started_at.type)
         while True:
             with engine.begin() as conn, history_purge_allowed(conn):
                 ids = list(
@@ -398,4 +413,10 @@ def purge(
                     break
                 attempts += conn.execute(delete(a).where(a.c.id.in_(ids))).rowcount
                 batches += 1
+    with engine.begin() as conn:
+        conn.execute(
+            update(outbox_retention_run)
+            .where(outbox_retention_run.c.id == run_id)
+            .values(finished_at=_now(), messages_deleted=messages, attempts_deleted=attempts)
+        )
     return PurgeResult(messages=messages, attempts=attempts, batches=batches)
