@@ -379,6 +379,11 @@ def engines(database_url: str) -> Iterator[tuple[Engine, Engine]]:
     reader.dispose()
 
 
+# SQLAlchemy itself (no outbox involved) keeps an object flushed in an inner savepoint
+# in the identity map when an *outer* savepoint is rolled back past it; on SQLite the
+# rolled-back rowid is then reused and SQLAlchemy warns. The outbox's own promise is
+# still checked on those steps; only that SQLAlchemy warning is let through.
+@pytest.mark.filterwarnings("ignore:Identity map already had an identity:sqlalchemy.exc.SAWarning")
 def test_emitted_events_are_stored_iff_every_enclosing_transaction_commits(
     engines: tuple[Engine, Engine],
 ) -> None:

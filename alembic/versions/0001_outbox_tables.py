@@ -102,9 +102,7 @@ def upgrade() -> None:
             sa.ForeignKey("outbox_message.id", name="fk_outbox_message_requeued_from_outbox_message"),
         ),
         sa.PrimaryKeyConstraint("id", name="pk_outbox_message"),
-        sa.UniqueConstraint(
-            "handler", "idempotency_key", name="uq_outbox_message_handler_idempotency_key"
-        ),
+        sa.UniqueConstraint("handler", "idempotency_key", name="uq_outbox_message_handler_idempotency_key"),
         sa.CheckConstraint(
             "status IN ('pending', 'running', 'delivered', 'dead', 'discarded')",
             name="ck_outbox_message_status",
@@ -136,9 +134,7 @@ def upgrade() -> None:
     )
     op.create_index("ix_outbox_message_status_handler", "outbox_message", ["status", "handler"])
     op.create_index("ix_outbox_message_event_id", "outbox_message", ["event_id"])
-    op.create_index(
-        "ix_outbox_message_aggregate", "outbox_message", ["aggregate_type", "aggregate_id"]
-    )
+    op.create_index("ix_outbox_message_aggregate", "outbox_message", ["aggregate_type", "aggregate_id"])
 
     op.create_table(
         "outbox_attempt",

@@ -1,0 +1,89 @@
+"""An application for relay subprocess tests: every delivery leaves a row in ``delivery_log``.
+
+The handler records each delivery in its own transaction, on an engine built
+from ``OUTBOX_DATABASE_URL`` (the variable the relay itself reads), so a test
+can count side effects per message and per relay process with plain SQL.
+Tests create the table with ``delivery_log.create(engine)``.
+
+Behaviour knobs, read from the environment of the relay process:
+
+- ``COUNTING_SLEEP``: seconds each delivery takes before it records anything
+  (keeps messages in flight while a test injects a fault);
+- ``COUNTING_STARTED_DIR``: a directory where each started delivery touches a
+  file named after the message id, the test's evidence that a handler runs.
+
+A payload with ``"poison": true`` always fails.
+
+A second route, ``awkward`` (event ``awkward.result``), hands the relay what real
+integrations produce: a result mapping that is not plain JSON (datetimes, UUIDs,
+NaN), an error text with NUL bytes echoed from a binary reply, or a retry
+"never" (``RetryLater(delay=inf)``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy import BigInteger, Column, DateTime, Integer, MetaData, Table, create_engine
+from sqlalchemy.engine import Engine
+
+from outbox import Backoff, Message, Outbox, RetryLater
+
+EVENT = "count.me"
+AWKWARD_EVENT = "awkward.result"
+MAX_ATTEMPTS = 3
+
+metadata = MetaData()
+delivery_log = Table(
+    "delivery_log",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("message_id", BigInteger, nullable=False),
+    Column("relay_pid", Integer, nullable=False),
+    Column("delivered_at", DateTime(timezone=True), nullable=False),
+)
+
+ob = Outbox(default_backoff=Backoff(base=0.05, cap=0.2))
+
+_engine: Engine | None = None
+
+
+def _side_effects() -> Engine:
+    global _engine
+    if _engine is None:
+        # One connection per concurrent delivery, so handlers never queue for the pool.
+        _engine = create_engine(os.environ["OUTBOX_DATABASE_URL"], pool_size=30, pool_pre_ping=True)
+    return _engine
+
+
+class Poisoned(Exception):
+    pass
+
+
+@ob.handler(EVENT, name="counter", max_attempts=MAX_ATTEMPTS)
+def count(msg: Message) -> None:
+    started_dir = os.environ.get("COUNTING_STARTED_DIR")
+    if started_dir:
+        Path(started_dir, str(msg.id)).touch()
+    time.sleep(float(os.environ.get("COUNTING_SLEEP") or 0))
+    if isinstance(msg.payload, dict) and msg.payload.get("poison"):
+        raise Poisoned(f"message {msg.id} can never be delivered")
+    with _side_effects().begin() as conn:
+        conn.execute(
+            delivery_log.insert().values(
+                message_id=msg.id, relay_pid=os.getpid(), delivered_at=datetime.now(UTC)
+            )
+        )
+
+
+@ob.handler(AWKWARD_EVENT, name="awkward", max_attempts=2)
+def awkward(msg: Message) -> dict[str, object]:
+    if msg.payload.get("retry_never"):
+        raise RetryLater("come back never", delay=float("inf"))
+    if msg.payload.get("fail"):
+        raise RuntimeError(f"upstream replied b'\x00\x01\xff' to message {msg.id}")
+    return {"accepted_at": datetime.now(UTC), "receipt": uuid.uuid4(), "score": float("nan")}

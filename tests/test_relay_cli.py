@@ -1,0 +1,185 @@
+"""The ``outbox-relay`` command as users run it: a subprocess, its exit code, what it prints.
+
+Exit codes: 0 clean stop or ``--once`` drained, 1 database unreachable or not migrated, 2 bad usage
+or an ``--app`` that cannot be loaded. User mistakes get one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from relayproc import APPS, relay_command, relay_env
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import sessionmaker
+
+import outbox
+from outbox import emit
+
+sys.path.insert(0, str(APPS))
+import counting_app  # noqa: E402  (the module the relay subprocesses serve)
+
+m = outbox.outbox_message
+
+APP = "counting_app:ob"
+
+
+def run_relay(*args: str, cwd: Path, database_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*relay_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=relay_env(database_url),
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    """The exit code, no traceback, and exactly one line saying what went wrong (usage may precede it)."""
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    problem = lines[-1]
+    assert problem.startswith("outbox-relay: "), result.stderr
+    assert [line for line in lines if line.startswith("outbox-relay")] == [problem], result.stderr
+    if len(lines) > 1:  # argparse's usage text, and nothing else
+        assert lines[0].startswith("usage: outbox-relay"), result.stderr
+    for needle in needles:
+        assert needle in problem, problem
+    return problem
+
+
+@pytest.fixture
+def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
+    path = tmp_path / "outbox.db"
+    shutil.copy(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--database-url", "sqlite://"], "--app is required"),
+        (["--app", APP], "--database-url is required"),
+        (["--app", APP, "--database-url", "sqlite://", "--concurrency", "lots"], "--concurrency"),
+        (["--app", APP, "--database-url", "sqlite://", "--concurrency", "0"], "--concurrency"),
+        (["--app", APP, "--database-url", "sqlite://", "--poll-interval", "-1"], "--poll-interval"),
+        (["--app", APP, "--database-url", "sqlite://", "--frobnicate"], "--frobnicate"),
+        (["--app", APP, "--database-url", "no-such-scheme"], "not a SQLAlchemy database URL"),
+    ],
+    ids=[
+        "no-app",
+        "no-url",
+        "concurrency-text",
+        "concurrency-zero",
+        "negative-poll",
+        "unknown-flag",
+        "bad-url",
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(tmp_path, args, needle):
+    assert_one_line_error(run_relay(*args, cwd=tmp_path), 2, "error:", needle)
+
+
+@pytest.mark.parametrize(
+    ("app", "needle"),
+    [
+        ("nosuchmodule:ob", "cannot import 'nosuchmodule'"),
+        ("counting_app:missing", "has no attribute 'missing'"),
+        ("counting_app:EVENT", "not an outbox.Outbox"),
+        ("counting_app", "module:attribute"),
+    ],
+)
+def test_an_app_that_cannot_be_loaded_exits_2_with_one_line(tmp_path, sqlite_url, app, needle):
+    result = run_relay("--app", app, "--database-url", sqlite_url, cwd=tmp_path)
+    assert_one_line_error(result, 2, needle)
+
+
+def test_an_unreachable_database_exits_1_with_one_line(tmp_path):
+    url = "postgresql+psycopg://postgres@127.0.0.1:1/x"
+    result = run_relay("--app", APP, "--database-url", url, cwd=tmp_path)
+    assert_one_line_error(result, 1, "cannot reach the database", "127.0.0.1:1")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def unmigrated_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A reachable database without the outbox tables."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    base = request.getfixturevalue("pg_base_url")
+    name = f"outbox_empty_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def test_a_database_without_the_outbox_tables_exits_1_pointing_at_outbox_migrate(tmp_path, unmigrated_url):
+    result = run_relay("--app", APP, "--database-url", unmigrated_url, cwd=tmp_path)
+    assert_one_line_error(result, 1, "outbox tables are missing", "outbox migrate")
+
+
+def _emit(engine, numbers: range, **options) -> None:
+    factory = sessionmaker(engine)
+    counting_app.ob.install(factory)
+    try:
+        with factory() as s, s.begin():
+            for n in numbers:
+                emit(s, counting_app.EVENT, {"n": n}, **options)
+    finally:
+        counting_app.ob.uninstall(factory)
+
+
+def test_once_delivers_what_is_due_and_exits_0(engine, database_url, tmp_path):
+    counting_app.delivery_log.create(engine)
+    _emit(engine, range(3))
+    _emit(engine, range(3, 4), delay=3600)
+    result = run_relay(
+        "--app", APP, "--database-url", database_url, "--once", cwd=tmp_path, database_url=database_url
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "outbox-relay: delivered 3, retrying 0, dead 0"
+    with engine.connect() as conn:
+        rows = {r.payload["n"]: r for r in conn.execute(select(m))}
+        logged = sorted(conn.execute(select(counting_app.delivery_log.c.message_id)).scalars())
+    assert [r.status for r in rows.values()].count("delivered") == 3
+    assert (rows[3].status, rows[3].attempts) == ("pending", 0), "not due yet: left alone"
+    assert logged == sorted(r.id for r in rows.values() if r.status == "delivered")
+
+
+def test_json_logs_are_one_object_per_line_each_with_an_action(sqlite_url, tmp_path):
+    engine = create_engine(sqlite_url)
+    try:
+        counting_app.delivery_log.create(engine)
+        _emit(engine, range(2))
+    finally:
+        engine.dispose()
+    result = run_relay(
+        *("--app", APP, "--database-url", sqlite_url, "--once", "--log-format", "json"),
+        cwd=tmp_path,
+        database_url=sqlite_url,
+    )
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stderr.splitlines()]
+    assert records and all(isinstance(r, dict) and r.get("action") for r in records), result.stderr
+    delivered = [r for r in records if r["action"] == "deliver"]
+    assert len(delivered) == 2 and {r["handler"] for r in delivered} == {"counter"}
+    assert all(isinstance(r["message_id"], int) and r["level"] == "info" for r in delivered)
+    (summary,) = [r for r in records if r["action"] == "drained"]
+    assert (summary["delivered"], summary["retried"], summary["dead"]) == (2, 0, 0)
