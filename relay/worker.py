@@ -353,7 +353,8 @@ class Relay:
                     delay,
                     extra={"action": "db_error", "relay_id": self.id, "failures": failures},
                 )
-                await self._sleep(delay, wakeable=False)
+                # A LISTEN reconnect (or a stop) cuts the back-off short: the database is back.
+                await self._sleep(delay)
                 continue
             if more:
                 discover = False
