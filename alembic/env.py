@@ -7,9 +7,9 @@ docs/migrations.md).
 
 from __future__ import annotations
 
+from alembic import context
 from sqlalchemy import Connection
 
-from alembic import context
 from outbox._migrations import include_object
 from outbox._tables import metadata
 

@@ -8,9 +8,8 @@ Create Date: 2026-12-02
 from __future__ import annotations
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
-
 from alembic import op
+from sqlalchemy.dialects import postgresql
 
 revision = "outbox_0002"
 down_revision = "outbox_0001"

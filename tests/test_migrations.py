@@ -1,0 +1,220 @@
+"""The outbox Alembic branch: round trip, no drift from the table definitions, the app recipe, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import MetaData, create_engine, inspect, text
+from sqlalchemy.engine import make_url
+
+import outbox
+from outbox.integrations.report import report_metadata
+
+OUTBOX_TABLES = {
+    "outbox_message",
+    "outbox_attempt",
+    "outbox_retention_run",
+    "outbox_report_run",
+    "outbox_report_chunk",
+}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database with nothing in it."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    base = request.getfixturevalue("pg_base_url")
+    name = f"outbox_empty_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def database_objects(url: str) -> tuple[set[str], set[str]]:
+    """Tables, and triggers plus functions, that exist in the database."""
+    engine = create_engine(url)
+    try:
+        tables = set(inspect(engine).get_table_names()) - {"alembic_version"}
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                rows = conn.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'"))
+            else:
+                rows = conn.execute(
+                    text(
+                        "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal"
+                        " UNION SELECT proname FROM pg_proc WHERE proname LIKE 'outbox%'"
+                    )
+                )
+            routines = {r[0] for r in rows}
+    finally:
+        engine.dispose()
+    return tables, routines
+
+
+def test_upgrade_downgrade_upgrade_round_trip(empty_url):
+    outbox.upgrade(empty_url)
+    tables, routines = database_objects(empty_url)
+    assert tables == OUTBOX_TABLES
+    assert any("append" in r or "no_update" in r for r in routines), routines
+
+    outbox._migrations.downgrade(empty_url)
+    assert database_objects(empty_url) == (set(), set())
+
+    outbox.upgrade(empty_url)
+    assert database_objects(empty_url)[0] == OUTBOX_TABLES
+
+
+def test_migrated_schema_matches_the_table_definitions(database_url):
+    engine = create_engine(database_url)
+    combined = MetaData()
+    for source in (outbox.metadata, report_metadata):
+        for table in source.tables.values():
+            table.to_metadata(combined)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"compare_type": True, "compare_server_default": False}
+            )
+            diff = compare_metadata(context, combined)
+    finally:
+        engine.dispose()
+    assert diff == [], f"migrations and table definitions disagree: {diff}"
+
+
+def write_app_alembic(folder: Path, url: str) -> Path:
+    """An application's own Alembic environment that includes the outbox branch (the documented recipe)."""
+    (folder / "versions").mkdir(parents=True)
+    (folder / "app_models.py").write_text(
+        textwrap.dedent(
+            """
+            from sqlalchemy import Column, Integer, MetaData, String, Table
+
+            metadata = MetaData()
+            customers = Table(
+                "customers", metadata, Column("id", Integer, primary_key=True), Column("name", String(50))
+            )
+            """
+        )
+    )
+    (folder / "env.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            from pathlib import Path
+
+            from alembic import context
+            from sqlalchemy import create_engine
+
+            import outbox
+
+            sys.path.insert(0, str(Path(__file__).parent))
+            from app_models import metadata
+
+            config = context.config
+            engine = create_engine(config.get_main_option("sqlalchemy.url"))
+            with engine.connect() as connection:
+                context.configure(
+                    connection=connection,
+                    target_metadata=metadata,
+                    include_object=outbox.include_object,
+                )
+                with context.begin_transaction():
+                    context.run_migrations()
+            """
+        )
+    )
+    (folder / "script.py.mako").write_text(
+        (outbox._migrations.script_location() / "script.py.mako").read_text()
+    )
+    (folder / "versions" / "app_0001.py").write_text(
+        textwrap.dedent(
+            """
+            import sqlalchemy as sa
+            from alembic import op
+
+            revision = "app_0001"
+            down_revision = None
+            branch_labels = ("app",)
+            depends_on = None
+
+            def upgrade():
+                op.create_table(
+                    "customers",
+                    sa.Column("id", sa.Integer, primary_key=True),
+                    sa.Column("name", sa.String(50)),
+                )
+
+            def downgrade():
+                op.drop_table("customers")
+            """
+        )
+    )
+    ini = folder / "alembic.ini"
+    ini.write_text(
+        textwrap.dedent(
+            f"""
+            [alembic]
+            script_location = {folder}
+            version_locations = {folder / "versions"} outbox:migrations/versions
+            path_separator = space
+            sqlalchemy.url = {url}
+            """
+        )
+    )
+    return ini
+
+
+def test_an_application_alembic_environment_includes_the_outbox_branch(empty_url, tmp_path):
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config(str(write_app_alembic(tmp_path / "migrations", empty_url)))
+    command.upgrade(config, "heads")
+    assert database_objects(empty_url)[0] == OUTBOX_TABLES | {"customers"}
+
+    # Autogenerate against the app's own models proposes nothing: the outbox tables are hidden.
+    command.revision(config, message="check", autogenerate=True, rev_id="app_0002", head="app@head")
+    generated = (tmp_path / "migrations" / "versions" / "app_0002_check.py").read_text()
+    assert "outbox" not in generated.split('"""', 2)[-1], generated
+    assert "op.drop_table" not in generated and "op.create_table" not in generated
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_outbox_migrate_command(empty_url):
+    done = run_cli("migrate", "--database-url", empty_url)
+    assert done.returncode == 0, done.stderr
+    assert database_objects(empty_url)[0] == OUTBOX_TABLES
+    again = run_cli("migrate", "--database-url", empty_url)
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "code"),
+    [("nosuchdialect://x", 1), ("postgresql+psycopg://postgres@127.0.0.1:1/x", 1), ("not a url", 2)],
+)
+def test_outbox_migrate_refuses_bad_databases_in_one_line(url, code):
+    done = run_cli("migrate", "--database-url", url)
+    assert done.returncode == code
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 or done.stderr.strip().splitlines()[-1].startswith(
+        "outbox: error:"
+    ), done.stderr
