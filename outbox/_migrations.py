@@ -29,7 +29,7 @@ __all__ = [
 BRANCH = "outbox"
 #: Every table the ``outbox`` branch creates, including those of the integrations
 #: (which ``outbox`` must not import, hence the names).
-OUTBOX_TABLES = frozenset(metadata.tables) | {"outbox_report_run", "outbox_report_chunk"}
+OUTBOX_TABLES = frozenset(metadata.tables) | {"outbox_report_run", "outbox_report_chunk", "outbox_email_sent"}
 
 
 def script_location() -> Path:

@@ -16,6 +16,7 @@ from sqlalchemy import MetaData, create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
 import outbox
+from outbox.integrations.email import email_metadata
 from outbox.integrations.report import report_metadata
 
 OUTBOX_TABLES = {
@@ -24,6 +25,7 @@ OUTBOX_TABLES = {
     "outbox_retention_run",
     "outbox_report_run",
     "outbox_report_chunk",
+    "outbox_email_sent",
 }
 
 
@@ -81,7 +83,7 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_url):
 def test_migrated_schema_matches_the_table_definitions(database_url):
     engine = create_engine(database_url)
     combined = MetaData()
-    for source in (outbox.metadata, report_metadata):
+    for source in (outbox.metadata, report_metadata, email_metadata):
         for table in source.tables.values():
             table.to_metadata(combined)
     try:
