@@ -70,7 +70,9 @@ async def _invoke(handler: Any, message: Message, executor: Executor) -> Any:
 
 def _describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
     kind = type(exc)
-    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    # The public path (outbox.RetryLater), not the private module it lives in.
+    module = "outbox" if kind.__module__.startswith("outbox._") else kind.__module__
+    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
     text = redactor.text(str(exc) or kind.__name__)
     if len(text) > _ERROR_LIMIT:
         text = text[: _ERROR_LIMIT - 1] + "…"

@@ -1,0 +1,696 @@
+"""Webhooks against a real HTTP server on 127.0.0.1, through the real relay on SQLite and PostgreSQL.
+
+Every request in this module goes to 127.0.0.0/8. Addresses elsewhere appear
+only as DNS answers or redirect targets the handler must refuse before it
+connects, and as inputs to the address classifier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+from standardwebhooks.webhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError as ReferenceVerificationError
+
+import outbox
+from outbox import Backoff, ConfigurationError, Message, Outbox, PermanentError, RetryLater, emit
+from outbox.integrations._breaker import CircuitBreaker, CircuitOpen
+from outbox.integrations._ratelimit import RateLimited, RateLimiter
+from outbox.integrations._signing import sign
+from outbox.integrations._ssrf import AddressPolicy
+from outbox.integrations.webhook import (
+    WebhookHandler,
+    WebhookVerificationError,
+    generate_secret,
+    retry_after,
+    verify,
+    webhook_id,
+)
+from outbox.relay import Relay
+
+m = outbox.outbox_message
+a = outbox.outbox_attempt
+
+FAST = Backoff(base=0.001, cap=0.002)
+LOCAL = ["127.0.0.0/8"]
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
+OLD_SECRET = "whsec_" + base64.b64encode(b"o" * 32).decode()
+
+
+# -- a scripted HTTP receiver -------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b"ok"
+    hang: float = 0.0  # seconds to stall before answering (released early at teardown)
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    at: float
+
+
+class Receiver:
+    """A ThreadingHTTPServer on 127.0.0.1 answering POSTs from a script (then ``default``)."""
+
+    def __init__(self) -> None:
+        self.script: list[Reply | Callable[[Received], Reply]] = []
+        self.default = Reply()
+        self.requests: list[Received] = []
+        self.released = threading.Event()
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                seen = Received(
+                    self.path, {k.lower(): v for k, v in self.headers.items()}, body, time.monotonic()
+                )
+                with receiver._lock:
+                    receiver.requests.append(seen)
+                    step = receiver.script.pop(0) if receiver.script else receiver.default
+                reply = step(seen) if callable(step) else step
+                if reply.hang:
+                    receiver.released.wait(reply.hang)
+                self.send_response(reply.status)
+                for name, value in reply.headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(reply.body)))
+                self.end_headers()
+                self.wfile.write(reply.body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def url(self, path: str = "/hook") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    r.thread.start()
+    yield r
+    r.released.set()
+    r.server.shutdown()
+    r.server.server_close()
+
+
+# -- relay plumbing -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ob() -> Outbox:
+    return Outbox(default_backoff=FAST)
+
+
+@pytest.fixture
+def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    yield factory
+    ob.uninstall(factory)
+
+
+def emit_one(maker: sessionmaker[Session], event_type: str, payload: dict[str, Any], **options: Any) -> None:
+    with maker() as s, s.begin():
+        emit(s, event_type, payload, **options)
+
+
+def drain(ob: Outbox, engine: Engine) -> None:
+    """Run the relay until nothing pending is due soon (millisecond backoffs fall due as we loop).
+
+    A retry scheduled well ahead (a Retry-After, an open breaker) is left for the test to inspect.
+    """
+    for _ in range(200):
+        Relay(ob, engine).run_until_idle()
+        with engine.connect() as conn:
+            pending = conn.execute(
+                select(m.c.available_at, m.c.updated_at).where(m.c.status == "pending")
+            ).all()
+        if all((r.available_at - r.updated_at).total_seconds() > 0.2 for r in pending):
+            return
+        time.sleep(0.005)
+    raise AssertionError("the relay never went idle")
+
+
+def the_message(engine: Engine) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(m)).one()
+
+
+def history(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(a).order_by(a.c.id)))
+
+
+def make_due(engine: Engine) -> None:
+    """Skip a deliberate wait without sleeping through it (the wait itself was asserted)."""
+    with engine.begin() as conn:
+        conn.execute(update(m).where(m.c.status == "pending").values(available_at=m.c.created_at))
+
+
+def message(payload: dict[str, Any], **fields: Any) -> Message:
+    defaults: dict[str, Any] = {
+        "id": 1,
+        "event_id": uuid.uuid4(),
+        "event_type": "order.paid",
+        "handler": "hook",
+    }
+    return Message(payload=payload, **{**defaults, **fields})
+
+
+def call(handler: WebhookHandler, msg: Message) -> Any:
+    async def once() -> Any:
+        try:
+            return await handler(msg)
+        finally:
+            await handler.outbox_shutdown()
+
+    return asyncio.run(once())
+
+
+# -- signing --------------------------------------------------------------------------------
+
+
+def test_relay_delivery_is_signed_and_verifies_with_the_reference_library(engine, ob, maker, receiver):
+    ob.route("order.paid", WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL), name="partner")
+    emit_one(maker, "order.paid", {"order_id": 7, "note": "café ☕"})
+    drain(ob, engine)
+
+    (req,) = receiver.requests
+    assert req.path == "/hook"
+    assert req.headers["content-type"] == "application/json"
+    assert json.loads(req.body) == {"order_id": 7, "note": "café ☕"}
+    assert Webhook(SECRET).verify(req.body, req.headers) == {"order_id": 7, "note": "café ☕"}
+    verify(req.body, req.headers, SECRET)
+    row = the_message(engine)
+    assert row.status == "delivered"
+    assert req.headers["webhook-id"] == webhook_id(message({}, event_id=row.event_id, handler="partner"))
+    (attempt,) = history(engine)
+    assert attempt.outcome == "delivered"
+    assert attempt.detail["status"] == 200
+    assert attempt.detail["webhook_id"] == req.headers["webhook-id"]
+
+
+def test_every_secret_signs_so_receivers_can_rotate(receiver):
+    handler = WebhookHandler(receiver.url(), [SECRET, OLD_SECRET], allowed_networks=LOCAL)
+    call(handler, message({"n": 1}))
+    (req,) = receiver.requests
+    assert len(req.headers["webhook-signature"].split(" ")) == 2
+    for secret in (SECRET, OLD_SECRET):
+        Webhook(secret).verify(req.body, req.headers)
+        verify(req.body, req.headers, secret)
+    verify(req.body, req.headers, [generate_secret(), OLD_SECRET])  # a receiver holding old and next
+    with pytest.raises(WebhookVerificationError, match="no signature matches"):
+        verify(req.body, req.headers, generate_secret())
+
+
+def test_verify_refuses_tampering_missing_headers_and_stale_or_future_timestamps():
+    body = b'{"n":1}'
+    now = int(time.time())
+    good = {"webhook-id": "msg_1", "webhook-timestamp": str(now), "webhook-signature": ""}
+    good["webhook-signature"] = sign([base64.b64decode(SECRET[6:])], "msg_1", now, body)
+    verify(body, good, SECRET)
+    verify(body, {k.upper(): v for k, v in good.items()}, SECRET)  # header names are case-insensitive
+    verify(body, list(good.items()), SECRET)
+
+    with pytest.raises(WebhookVerificationError, match="no signature matches"):
+        verify(b'{"n":2}', good, SECRET)
+    with pytest.raises(WebhookVerificationError, match="no signature matches"):
+        verify(body, {**good, "webhook-id": "msg_2"}, SECRET)
+    with pytest.raises(WebhookVerificationError, match="missing header.*webhook-signature"):
+        verify(body, {k: v for k, v in good.items() if k != "webhook-signature"}, SECRET)
+    with pytest.raises(WebhookVerificationError, match="no v1 signature"):
+        verify(body, {**good, "webhook-signature": "v2,abc"}, SECRET)
+    for offset, word in ((-400, "old"), (400, "future")):
+        stamp = now + offset
+        headers = {**good, "webhook-timestamp": str(stamp)}
+        headers["webhook-signature"] = sign([base64.b64decode(SECRET[6:])], "msg_1", stamp, body)
+        with pytest.raises(WebhookVerificationError, match=word):
+            verify(body, headers, SECRET)
+        with pytest.raises(ReferenceVerificationError):  # the reference library agrees
+            Webhook(SECRET).verify(body, headers)
+        verify(body, headers, SECRET, tolerance=600)
+
+
+@pytest.mark.parametrize(
+    ("secret", "complaint"),
+    [
+        ("k" * 40, "must start with 'whsec_'"),
+        ("whsec_***not-base64***", "not valid base64"),
+        ("whsec_" + base64.b64encode(b"short").decode(), "decodes to 5 bytes"),
+        ([], "at least one"),
+        (None, "needs secret="),
+    ],
+)
+def test_bad_secrets_are_configuration_errors_that_never_quote_the_secret(secret, complaint):
+    with pytest.raises(ConfigurationError, match=complaint) as raised:
+        WebhookHandler("https://hooks.example.test/", secret)
+    if isinstance(secret, str):
+        assert secret not in str(raised.value) and secret[6:] not in str(raised.value)
+
+
+def test_bad_configuration_is_refused_at_construction():
+    with pytest.raises(ConfigurationError, match="http or https"):
+        WebhookHandler("ftp://hooks.example.test/", SECRET)
+    with pytest.raises(ConfigurationError, match="credentials"):
+        WebhookHandler("https://user:pw@hooks.example.test/", SECRET)
+    with pytest.raises(ConfigurationError, match="loopback.*allowed_networks"):
+        WebhookHandler("http://127.0.0.1:9/", SECRET)
+    with pytest.raises(ConfigurationError, match="CIDR"):
+        WebhookHandler("https://hooks.example.test/", SECRET, allowed_networks=["localhost"])
+    with pytest.raises(ConfigurationError, match="cannot be overridden"):
+        WebhookHandler("https://hooks.example.test/", SECRET, headers={"Webhook-Signature": "x"})
+    with pytest.raises(ConfigurationError, match="line breaks"):
+        WebhookHandler("https://hooks.example.test/", SECRET, headers={"X-A": "1\r\nX-B: 2"})
+    with pytest.raises(ConfigurationError, match="timeout"):
+        WebhookHandler("https://hooks.example.test/", SECRET, timeout=0)
+    with pytest.raises(ConfigurationError, match="breaker_threshold"):
+        WebhookHandler("https://hooks.example.test/", SECRET, breaker_threshold=0)
+    with pytest.raises(ConfigurationError, match="rate"):
+        WebhookHandler("https://hooks.example.test/", SECRET, rate_limit=-1)
+
+
+# -- response classes -----------------------------------------------------------------------
+
+
+def test_503_with_retry_after_is_retried_once_with_the_same_webhook_id(engine, ob, maker, receiver):
+    receiver.script = [Reply(503, {"Retry-After": "2"}, b"maintenance")]
+    ob.route("order.paid", WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL), name="partner")
+    emit_one(maker, "order.paid", {"order_id": 1})
+    drain(ob, engine)
+
+    row = the_message(engine)
+    assert row.status == "pending" and row.attempts == 1
+    (first,) = history(engine)
+    assert first.outcome == "retry"
+    assert first.detail["status"] == 503 and first.detail["retry_after"] == "2"
+    assert first.detail["response"] == "maintenance"
+    # The Retry-After, not the millisecond backoff, set the next attempt's time.
+    assert 1.5 <= (row.available_at - first.finished_at).total_seconds() <= 2.5
+
+    make_due(engine)
+    drain(ob, engine)
+    assert the_message(engine).status == "delivered"
+    assert [h.outcome for h in history(engine)] == ["retry", "delivered"]
+    one, two = receiver.requests
+    assert one.headers["webhook-id"] == two.headers["webhook-id"]
+    assert one.body == two.body
+    for req in (one, two):
+        Webhook(SECRET).verify(req.body, req.headers)
+
+
+def test_retry_after_accepts_seconds_and_http_dates():
+    now = time.time()
+    assert retry_after("120") == 120
+    assert retry_after(formatdate(now + 30, usegmt=True), now=now) == pytest.approx(30, abs=1)
+    assert retry_after(formatdate(now - 30, usegmt=True), now=now) == 0
+    assert retry_after("10" * 20) == 24 * 3600  # capped
+    assert retry_after("soon") is None and retry_after(None) is None and retry_after("nan") is None
+
+
+@pytest.mark.parametrize("status", [408, 425, 429, 500, 502, 504])
+def test_transient_statuses_retry(receiver, status):
+    receiver.default = Reply(status, {"Retry-After": "7"})
+    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL)
+    with pytest.raises(RetryLater) as raised:
+        call(handler, message({"n": 1}))
+    assert raised.value.delay == 7 and raised.value.counts_as_attempt
+    assert raised.value.detail is not None and raised.value.detail["status"] == status
+
+
+def test_400_goes_dead_with_status_and_a_bounded_excerpt(engine, ob, maker, receiver):
+    receiver.default = Reply(400, {"content-type": "text/plain"}, b"field 'amount' is required. " * 500)
+    ob.route("order.paid", WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL), name="partner")
+    emit_one(maker, "order.paid", {"order_id": 1})
+    drain(ob, engine)
+
+    row = the_message(engine)
+    assert row.status == "dead" and row.attempts == 1
+    (attempt,) = history(engine)
+    assert attempt.outcome == "dead"
+    assert attempt.detail["status"] == 400
+    assert attempt.detail["response"].startswith("field 'amount' is required.")
+    assert len(attempt.detail["response"]) == 500
+    assert "HTTP 400" in attempt.error
+    assert len(receiver.requests) == 1
+
+
+def test_410_is_dead_and_reported(receiver, caplog):
+    receiver.default = Reply(410, body=b"this endpoint was removed")
+    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL)
+    with caplog.at_level(logging.ERROR, logger="outbox.integrations.webhook"):
+        with pytest.raises(PermanentError, match="410 Gone") as raised:
+            call(handler, message({"n": 1}))
+    assert raised.value.detail is not None and raised.value.detail["gone"] is True
+    assert [r.action for r in caplog.records] == ["webhook_gone"]
+
+
+def test_hanging_endpoint_times_out_and_is_retried(engine, ob, maker, receiver):
+    receiver.script = [Reply(hang=5.0)]
+    handler = WebhookHandler(receiver.url(), SECRET, timeout=0.3, allowed_networks=LOCAL)
+    ob.route("order.paid", handler, name="partner", max_attempts=3)
+    emit_one(maker, "order.paid", {"order_id": 1})
+    started = time.monotonic()
+    drain(ob, engine)
+
+    assert time.monotonic() - started < 3
+    assert the_message(engine).status == "delivered"
+    first, second = history(engine)
+    assert first.outcome == "retry" and first.detail["reason"] == "timeout"
+    assert "within 0.3s" in first.error
+    assert second.outcome == "delivered"
+
+
+def test_connection_refused_is_transient():
+    with socket.socket() as sock:  # a port on 127.0.0.1 that nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    handler = WebhookHandler(f"http://127.0.0.1:{port}/", SECRET, allowed_networks=LOCAL)
+    with pytest.raises(RetryLater, match="connection to 127.0.0.1") as raised:
+        call(handler, message({"n": 1}))
+    assert raised.value.detail == {"reason": "connection", "host": f"127.0.0.1:{port}"}
+
+
+# -- SSRF guard -----------------------------------------------------------------------------
+
+
+def test_redirect_to_a_blocked_address_is_refused_not_followed(engine, ob, maker, receiver):
+    receiver.default = Reply(302, {"Location": "http://169.254.169.254/latest/meta-data/"})
+    ob.route("order.paid", WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL), name="partner")
+    emit_one(maker, "order.paid", {"order_id": 1})
+    drain(ob, engine)
+
+    assert the_message(engine).status == "dead"
+    (attempt,) = history(engine)
+    assert attempt.outcome == "dead"
+    assert attempt.detail["status"] == 302
+    assert attempt.detail["location"] == "http://169.254.169.254/latest/meta-data/"
+    assert "redirects are refused" in attempt.error
+    assert len(receiver.requests) == 1
+
+
+def test_loopback_is_refused_unless_allow_listed(engine, ob, maker, receiver):
+    ob.route("order.paid", WebhookHandler(secret=SECRET), name="guarded")
+    ob.route("order.paid", WebhookHandler(secret=SECRET, allowed_networks=LOCAL), name="allowed")
+    emit_one(maker, "order.paid", {"url": receiver.url("/from-payload"), "order_id": 1})
+    drain(ob, engine)
+
+    with engine.connect() as conn:
+        status = dict(conn.execute(select(m.c.handler, m.c.status)).all())
+    assert status == {"guarded": "dead", "allowed": "delivered"}
+    (req,) = receiver.requests  # only the allow-listed route reached the server
+    assert req.path == "/from-payload"
+    assert json.loads(req.body) == {"url": receiver.url("/from-payload"), "order_id": 1}
+    dead = next(h for h in history(engine) if h.outcome == "dead")
+    assert "loopback address (SSRF guard)" in dead.error
+    assert dead.detail == {
+        "reason": "ssrf_refused",
+        "host": f"127.0.0.1:{receiver.port}",
+        "refused": "loopback",
+    }
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["file:///etc/passwd", "gopher://127.0.0.1/", "http://user:pw@127.0.0.1/", "not a url", None, 42],
+)
+def test_payload_urls_that_cannot_be_targets_are_permanent(url):
+    handler = WebhookHandler(secret=SECRET, allowed_networks=LOCAL)
+    with pytest.raises(PermanentError, match="payload\\['url'\\]"):
+        call(handler, message({"url": url}))
+
+
+class FakeDNS:
+    """Answers for made-up names, one list of addresses per lookup (the last one repeats)."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[list[str]]] = {}
+        self.lookups: dict[str, list[list[str]]] = {}
+
+
+@pytest.fixture
+def fake_dns(monkeypatch: pytest.MonkeyPatch) -> FakeDNS:
+    dns = FakeDNS()
+    real = asyncio.base_events.BaseEventLoop.getaddrinfo
+
+    async def getaddrinfo(self: Any, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host not in dns.answers:
+            return await real(self, host, port, *args, **kwargs)
+        queue = dns.answers[host]
+        addrs = queue.pop(0) if len(queue) > 1 else queue[0]
+        dns.lookups.setdefault(host, []).append(addrs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (ip, port)) for ip in addrs]
+
+    monkeypatch.setattr(asyncio.base_events.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    return dns
+
+
+def test_connects_to_the_checked_address_with_the_host_name_in_host(receiver, fake_dns):
+    # A rebinding resolver: harmless first answer, metadata address for any later lookup.
+    fake_dns.answers["hooks.example.test"] = [["127.0.0.1"], ["169.254.169.254"]]
+    handler = WebhookHandler(f"http://hooks.example.test:{receiver.port}/in", SECRET, allowed_networks=LOCAL)
+    call(handler, message({"n": 1}))
+
+    (req,) = receiver.requests
+    assert req.headers["host"] == f"hooks.example.test:{receiver.port}"
+    assert fake_dns.lookups["hooks.example.test"] == [["127.0.0.1"]]  # resolved once, used as checked
+    with pytest.raises(PermanentError, match="169.254.169.254.*link-local"):
+        call(handler, message({"n": 2}))  # the next attempt resolves afresh and is checked afresh
+    assert len(receiver.requests) == 1
+
+
+def test_a_name_with_any_blocked_address_is_refused(receiver, fake_dns):
+    fake_dns.answers["mixed.example.test"] = [["127.0.0.1", "10.0.0.7"]]
+    handler = WebhookHandler(f"http://mixed.example.test:{receiver.port}/", SECRET, allowed_networks=LOCAL)
+    with pytest.raises(PermanentError, match="10.0.0.7.*private"):
+        call(handler, message({"n": 1}))
+    assert receiver.requests == []
+
+
+@pytest.mark.parametrize(
+    ("address", "reason"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("10.1.2.3", "private"),
+        ("192.168.0.1", "private"),
+        ("fc00::1", "private"),
+        ("169.254.169.254", "link-local"),
+        ("fe80::1", "link-local"),
+        ("224.0.0.1", "multicast"),
+        ("ff02::1", "multicast"),
+        ("240.0.0.1", "reserved"),
+        ("0.0.0.0", "unspecified"),
+        ("::", "unspecified"),
+        ("100.64.0.1", "non-global"),
+        ("64:ff9b::a00:1", "private"),  # NAT64 of 10.0.0.1
+        ("2002:a00:1::", "private"),  # 6to4 of 10.0.0.1
+        ("93.184.215.14", None),
+        ("2606:4700::1111", None),
+    ],
+)
+def test_address_classes(address, reason):
+    assert AddressPolicy().refusal(ipaddress.ip_address(address)) == reason
+    if reason is not None:
+        net = "::/0" if ":" in address else "0.0.0.0/0"
+        assert AddressPolicy([net]).refusal(ipaddress.ip_address(address)) is None
+
+
+# -- circuit breaker ------------------------------------------------------------------------
+
+
+def test_breaker_opens_skips_without_using_attempts_and_closes_after_cooldown(engine, ob, maker, receiver):
+    receiver.default = Reply(500, body=b"down")
+    handler = WebhookHandler(
+        receiver.url(), SECRET, allowed_networks=LOCAL, breaker_threshold=2, breaker_cooldown=0.6
+    )
+    ob.route("order.paid", handler, name="partner", max_attempts=10)
+    emit_one(maker, "order.paid", {"order_id": 1})
+    drain(ob, engine)
+
+    host = f"127.0.0.1:{receiver.port}"
+    assert len(receiver.requests) == 2  # the breaker opened after two failures; no third request
+    assert handler.outbox_breaker_states() == {host: True}
+    row = the_message(engine)
+    assert row.status == "pending" and row.attempts == 2  # the skip did not use an attempt
+    first, second, skip = history(engine)
+    assert (first.outcome, second.outcome) == ("retry", "retry")
+    assert skip.outcome == "retry" and skip.attempt == 3
+    assert skip.detail["breaker"] == "open" and skip.detail["host"] == host
+    assert skip.detail["counted"] is False
+    assert 0.3 < (row.available_at - skip.finished_at).total_seconds() <= 0.7
+
+    receiver.default = Reply(200)
+    time.sleep(0.65)
+    drain(ob, engine)
+    row = the_message(engine)
+    assert row.status == "delivered" and row.attempts == 3
+    assert history(engine)[-1].outcome == "delivered"
+    assert len(receiver.requests) == 3
+    assert handler.outbox_breaker_states() == {host: False}
+
+
+def test_breaker_half_open_admits_one_trial():
+    now = [0.0]
+    breaker = CircuitBreaker(threshold=2, cooldown=10, clock=lambda: now[0])
+    for _ in range(2):
+        breaker.acquire("h").failure()
+    with pytest.raises(CircuitOpen) as raised:
+        breaker.acquire("h")
+    assert raised.value.remaining == 10
+    now[0] = 10.0
+    trial = breaker.acquire("h")
+    assert trial.trial
+    with pytest.raises(CircuitOpen, match="half-open"):
+        breaker.acquire("h")
+    trial.failure()  # a failed trial reopens for a full cooldown
+    now[0] = 15.0
+    with pytest.raises(CircuitOpen):
+        breaker.acquire("h")
+    now[0] = 20.0
+    breaker.acquire("h").success()
+    assert breaker.states() == {"h": False}
+    assert not breaker.acquire("h").trial
+    breaker.acquire("other").release()  # no verdict leaves no trace
+    assert "other" not in breaker.states()
+
+
+def test_4xx_does_not_trip_the_breaker(receiver):
+    receiver.default = Reply(404)
+    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, breaker_threshold=1)
+    for n in range(3):
+        with pytest.raises(PermanentError):
+            call(handler, message({"n": n}))
+    assert len(receiver.requests) == 3 and handler.outbox_breaker_states() == {}
+
+
+# -- rate limit -----------------------------------------------------------------------------
+
+
+def test_rate_limit_is_shared_by_concurrent_deliveries(receiver):
+    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, rate_limit=20)
+
+    async def burst() -> None:
+        try:
+            await asyncio.gather(*(handler(message({"n": n}, id=n)) for n in range(5)))
+        finally:
+            await handler.outbox_shutdown()
+
+    asyncio.run(burst())
+    times = sorted(r.at for r in receiver.requests)
+    assert len(times) == 5
+    # Five requests at 20/s are released over 0.2 s; the first one's connection set-up can eat into
+    # the span the server sees, so only half of it is required (still far above an unlimited burst).
+    assert times[-1] - times[0] >= 0.1
+
+
+def test_a_long_rate_wait_is_rescheduled_without_using_an_attempt(receiver):
+    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, rate_limit=1, timeout=0.2)
+    call(handler, message({"n": 1}))
+    with pytest.raises(RetryLater) as raised:
+        call(handler, message({"n": 2}))
+    assert not raised.value.counts_as_attempt
+    assert raised.value.detail is not None and raised.value.detail["rate_limit"] == "deferred"
+    assert 0.5 < (raised.value.delay or 0) <= 1.0
+    assert len(receiver.requests) == 1
+
+
+def test_rate_limiter_serves_threads_and_loops_alike():
+    limiter = RateLimiter(50, burst=2)
+    stamps: list[float] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        limiter.acquire_sync()
+        with lock:
+            stamps.append(time.monotonic())
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    asyncio.run(limiter.acquire())
+    stamps.append(time.monotonic())
+    stamps.sort()
+    assert stamps[-1] - stamps[0] >= 3 / 50 - 0.01  # two free, then one every 20 ms
+    strict = RateLimiter(1)
+    strict.acquire_sync()
+    with pytest.raises(RateLimited):
+        strict.acquire_sync(max_wait=0.5)  # refused without reserving: a later caller is not delayed
+    strict.acquire_sync(max_wait=1.0) if False else None
+
+
+# -- secrets stay secret --------------------------------------------------------------------
+
+
+def test_secrets_never_reach_history_rows_or_logs(engine, ob, maker, receiver, caplog):
+    token = "Bearer tok-" + uuid.uuid4().hex
+
+    def echo(req: Received) -> Reply:  # a careless receiver quoting what it was sent, and the secret
+        return Reply(500, body=f"bad auth {req.headers.get('authorization')} for {SECRET}".encode())
+
+    receiver.script = [echo, echo]
+    receiver.default = Reply(400, body=f"still no: {SECRET[6:]}".encode())
+    handler = WebhookHandler(
+        receiver.url(), [SECRET, OLD_SECRET], allowed_networks=LOCAL, headers={"Authorization": token}
+    )
+    ob.route("order.paid", handler, name="partner", max_attempts=5)
+    emit_one(maker, "order.paid", {"order_id": 1})
+    with caplog.at_level(logging.DEBUG):
+        drain(ob, engine)
+
+    assert receiver.requests[0].headers["authorization"] == token
+    assert [h.outcome for h in history(engine)] == ["retry", "retry", "dead"]
+    with engine.connect() as conn:
+        stored = repr(conn.execute(select(m)).all()) + repr(conn.execute(select(a)).all())
+    logged = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
+    assert "***" in stored
+    for text in (stored, logged):
+        for secret in (SECRET, SECRET[6:], OLD_SECRET[6:], token, token[7:]):
+            assert secret not in text
+
+
+def test_clients_are_closed_when_the_relay_stops(engine, ob, maker, receiver):
+    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL)
+    ob.route("order.paid", handler, name="partner")
+    emit_one(maker, "order.paid", {"order_id": 1})
+    drain(ob, engine)
+    emit_one(maker, "order.paid", {"order_id": 2})
+    drain(ob, engine)  # a second run_until_idle: a new event loop, new clients
+    assert len(receiver.requests) == 2
+    assert len(handler._pools) == 0
