@@ -5,6 +5,10 @@ Each statement is one autocommit round trip: the claim is a single
 whole batch of outcomes (message updates and their history rows) is one
 statement over ``unnest``-ed arrays, atomic because it is one statement.
 
+An outcome applies only to the claim that produced it (same relay, same
+attempt number): a late outcome of an attempt whose lease was recovered must
+not finish the message's next attempt.
+
 Status values are literals, never parameters: psycopg prepares a statement
 after a few executions and PostgreSQL may then switch to a generic plan, which
 can only use the partial indexes (``WHERE status = 'pending'``) if the
@@ -48,9 +52,9 @@ CLAIM = claim_sql(True)
 
 COMPLETE = """
 WITH outcome AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(statuses)s::text[], %(errors)s::text[],
+    SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(statuses)s::text[], %(errors)s::text[],
                          %(delays)s::float8[], %(refunds)s::int[])
-        AS o(id, status, error, delay, refund)
+        AS o(id, attempt, status, error, delay, refund)
 ), updated AS (
     UPDATE outbox_message m
        SET status = o.status,
@@ -61,7 +65,7 @@ WITH outcome AS (
            attempts = m.attempts - o.refund,
            locked_by = NULL, locked_until = NULL, updated_at = now()
       FROM outcome o
-     WHERE m.id = o.id AND m.locked_by = %(me)s AND m.status = 'running'
+     WHERE m.id = o.id AND m.locked_by = %(me)s AND m.status = 'running' AND m.attempts = o.attempt
 )
 INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at, finished_at, duration_ms,
                             relay_id, error_type, error, detail)

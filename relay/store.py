@@ -351,11 +351,17 @@ class Store:
             self._complete_postgresql(results)
             return
         now = self._now()
-        ours = and_(m.c.id == bindparam("mid"), m.c.locked_by == self.relay_id, m.c.status == "running")
-        delivered = [{"mid": r.message_id} for r in results if r.status == "delivered"]
+        ours = and_(
+            m.c.id == bindparam("mid"),
+            m.c.locked_by == self.relay_id,
+            m.c.status == "running",
+            m.c.attempts == bindparam("att", type_=Integer()),
+        )
+        delivered = [{"mid": r.message_id, "att": r.attempt} for r in results if r.status == "delivered"]
         retry = [
             {
                 "mid": r.message_id,
+                "att": r.attempt,
                 "err": r.error,
                 "later": self._bind_later(timedelta(seconds=r.retry_in)),
                 "refund": int(r.refund),
@@ -363,7 +369,9 @@ class Store:
             for r in results
             if r.status == "pending"
         ]
-        dead = [{"mid": r.message_id, "err": r.error} for r in results if r.status == "dead"]
+        dead = [
+            {"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "dead"
+        ]
         with self.engine.begin() as conn:
             if delivered:
                 conn.execute(

@@ -593,7 +593,8 @@ class Relay:
         period = max(self.lease / 3, 0.05)
         while True:
             await asyncio.sleep(period)
-            ids = list(self._inflight)
+            # Finished but not yet recorded still counts: the lease must outlive the write.
+            ids = list({*self._inflight, *(c.message_id for _, c in self._buffer)})
             if not ids:
                 continue
             try:
