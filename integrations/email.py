@@ -4,120 +4,87 @@
 
     from outbox.integrations.email import EmailHandler, SentLog
 
-    ob.route("user.signed_up", EmailHandler("smtp.example.com", 587, sender="Shop <shop@example.com>",
-             username="shop", password=os.environ["SMTP_PASSWORD"], starttls=True,
-             sent_log=SentLog(engine), templates="templates/email"), name="welcome_email")
-
-    emit(s, "user.signed_up", {"to": "a@example.com", "template": "welcome", "context": {"name": "Ada"}})
+    ob.route(
+        "user.signed_up",
+        EmailHandler("smtp.example.com", 587, sender="Shop <shop@example.com>", username="shop",
+                     password=os.environ["SMTP_PASSWORD"], starttls=True, sent_log=SentLog(engine),
+                     templates="templates/email", rate_limit=10),
+        name="welcome_email",
+    )
+    emit(s, "user.signed_up", {"to": "ada@example.com", "template": "welcome", "context": {"name": "Ada"}})
 
 A payload names ``to`` (an address or a list) and either ``subject`` with
-``text`` and/or ``html``, or ``template`` with ``context``: templates
-``<name>.subject.txt``, ``<name>.txt`` and/or ``<name>.html`` in the
-``templates`` folder, rendered by a sandboxed Jinja2 environment that
-autoescapes HTML.
+``text`` and/or ``html``, or ``template`` with ``context``: the templates
+``<name>.subject.txt`` (required), ``<name>.txt`` and/or ``<name>.html``,
+rendered by a sandboxed Jinja2 environment that autoescapes ``.html`` only.
 
 Exactly-once effect: the ``Message-ID`` derives from the message's key (or its
-event id and route), and the sent-log (``outbox_email_sent``) records it right
+event id) and route, and the sent-log (``outbox_email_sent``) records it right
 after the server accepts the mail; a later attempt of the same message finds it
-there and sends nothing. The residual window is a crash between the server's
-acceptance and that record: the mail may then be sent twice, with the same
-``Message-ID``, which lets receiving systems deduplicate.
+there and sends nothing. The residual window is a crash (or a lost reply) between
+the server's acceptance and that record: the mail may then go twice, with the
+same ``Message-ID``, which lets receiving systems deduplicate. ``docs/email.md``
+has the whole story.
 """
 
 from __future__ import annotations
 
+import base64
+import ipaddress
 import logging
+import math
+import os
 import re
-import smtplib
 import ssl as ssl_module
-import uuid
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
-from email.message import EmailMessage
-from email.utils import formataddr, getaddresses, parseaddr
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, DateTime, MetaData, String, Table, Text, insert, select
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import SQLAlchemyError
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater
-from outbox._tables import NAMING_CONVENTION
 
-from ._ratelimit import RateLimiter
+from ._mail import (
+    Body,
+    InvalidAddress,
+    bad_header_text,
+    build_mail,
+    checked_header,
+    message_id_for,
+    parse_address,
+    parse_recipients,
+)
+from ._ratelimit import RateLimited, RateLimiter
+from ._sentlog import SentLog, SentRecord, email_metadata, outbox_email_sent
+from ._smtp import SmtpSettings, transact
 
-__all__ = ["EmailHandler", "SentLog", "email_metadata", "outbox_email_sent"]
+if TYPE_CHECKING:
+    from email.headerregistry import Address
+    from email.message import EmailMessage
+
+    from jinja2 import BaseLoader, Environment
+
+__all__ = ["EmailHandler", "RateLimiter", "SentLog", "SentRecord", "email_metadata", "outbox_email_sent"]
 
 log = logging.getLogger("outbox.integrations.email")
 
-email_metadata = MetaData(naming_convention=NAMING_CONVENTION)
+_TEMPLATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
+_INSTALL_HINT = "email templates need Jinja2: pip install 'sqlalchemy-outbox[email]'"
+#: The longest a delivery holds its worker thread waiting for the rate limit; a longer wait is
+#: handed back to the relay as a deferral that does not use up an attempt. With the default
+#: route timeout (30 s) and SMTP timeout (20 s), wait plus conversation still fit the route's.
+MAX_RATE_WAIT = 5.0
 
-#: Mails the SMTP server accepted, by Message-ID: what makes a retry send nothing twice.
-outbox_email_sent = Table(
-    "outbox_email_sent",
-    email_metadata,
-    Column("message_id", String(255), primary_key=True),
-    Column("outbox_message_id", String(32), nullable=False),
-    Column("accepted_at", DateTime(timezone=True), nullable=False),
-    Column("smtp_response", Text),
-)
-
-_NEWLINE = re.compile(r"[\r\n]")
-
-
-class SentLog:
-    """The record of accepted mails, in the application's database (created by ``outbox migrate``)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def was_sent(self, message_id: str) -> bool:
-        with self.engine.connect() as conn:
-            found = conn.execute(
-                select(outbox_email_sent.c.message_id).where(outbox_email_sent.c.message_id == message_id)
-            ).first()
-        return found is not None
-
-    def record(self, message_id: str, outbox_message_id: int, response: str) -> None:
-        try:
-            with self.engine.begin() as conn:
-                conn.execute(
-                    insert(outbox_email_sent).values(
-                        message_id=message_id,
-                        outbox_message_id=str(outbox_message_id),
-                        accepted_at=datetime.now(UTC),
-                        smtp_response=response[:500],
-                    )
-                )
-        except IntegrityError:  # recorded already by an earlier attempt of the same message
-            pass
-
-
-def _no_newlines(what: str, value: str) -> str:
-    if _NEWLINE.search(value):
-        raise PermanentError(
-            f"{what} contains a line break (header injection refused)", detail={"field": what}
-        )
-    return value
-
-
-def _addresses(value: Any) -> list[str]:
-    items = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else None
-    if not items or not all(isinstance(v, str) and v.strip() for v in items):
-        raise PermanentError("payload 'to' must be an address or a non-empty list of addresses")
-    result = []
-    for item in items:
-        _no_newlines("to", item)
-        name, addr = parseaddr(item)
-        if "@" not in addr or addr.startswith("@") or addr.endswith("@") or " " in addr:
-            raise PermanentError(f"invalid recipient address {item!r}", detail={"field": "to"})
-        result.append(formataddr((name, addr)) if name else addr)
-    return result
+#: ``context_loader(message)``: more template context, loaded when the message runs.
+ContextLoader = Callable[[Message], Mapping[str, Any]]
 
 
 class EmailHandler:
-    """Send a message's payload as an email over SMTP (run by the relay in a worker thread)."""
+    """Send a message's payload as one email over SMTP.
+
+    A plain callable: the relay runs it on a worker thread, one SMTP connection
+    per mail. Safe to share between concurrent deliveries.
+    """
 
     def __init__(
         self,
@@ -129,176 +96,274 @@ class EmailHandler:
         password: str | None = None,
         starttls: bool = False,
         ssl: bool = False,
-        templates: str | Path | None = None,
+        templates: str | os.PathLike[str] | BaseLoader | None = None,
         timeout: float = 20.0,
+        rate_limit: float | RateLimiter | None = None,
         sent_log: SentLog | Engine | None = None,
-        rate_limit: float | None = None,
-        context_loader: Callable[[Message], Mapping[str, Any]] | None = None,
+        context_loader: ContextLoader | None = None,
+        ssl_context: ssl_module.SSLContext | None = None,
     ) -> None:
+        if not isinstance(host, str) or not host or bad_header_text(host) or " " in host:
+            raise ConfigurationError(f"EmailHandler: host must be a host name, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ConfigurationError(f"EmailHandler: port must be 1-65535, got {port!r}")
         if starttls and ssl:
-            raise ConfigurationError("EmailHandler: choose starttls (port 587) or ssl (port 465), not both")
+            raise ConfigurationError(
+                "EmailHandler: choose starttls=True (port 587) or ssl=True (port 465), not both"
+            )
         if (username is None) != (password is None):
             raise ConfigurationError("EmailHandler: username and password go together")
-        if not isinstance(sender, str) or _NEWLINE.search(sender) or "@" not in parseaddr(sender)[1]:
-            raise ConfigurationError(f"EmailHandler: sender must be an email address, got {sender!r}")
-        if not (0 < timeout < float("inf")):
-            raise ConfigurationError(f"EmailHandler: timeout must be a positive number, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ConfigurationError(
+                f"EmailHandler: timeout must be a positive number of seconds, got {timeout!r}"
+            )
+        if ssl_context is not None and not isinstance(ssl_context, ssl_module.SSLContext):
+            raise ConfigurationError(
+                f"EmailHandler: ssl_context must be an ssl.SSLContext, got {ssl_context!r}"
+            )
+        if context_loader is not None and not callable(context_loader):
+            raise ConfigurationError("EmailHandler: context_loader must be a callable taking the Message")
+        try:
+            if not isinstance(sender, str):
+                raise InvalidAddress(sender)
+            self._sender: Address = parse_address(sender)
+        except InvalidAddress:
+            raise ConfigurationError(
+                f"EmailHandler: sender must be one email address, got {sender!r}"
+            ) from None
         self.host, self.port, self.sender = host, port, sender
-        self.username, self._password = username, password
-        self.starttls, self.ssl, self.timeout = starttls, ssl, timeout
+        self.username = username
+        self.timeout = float(timeout)
+        self._smtp = SmtpSettings(host, port, username, password, starttls, ssl, self.timeout, ssl_context)
+        self._secrets = _secret_forms(username, password)
         self.sent_log = SentLog(sent_log) if isinstance(sent_log, Engine) else sent_log
-        self.limiter = RateLimiter(rate_limit) if rate_limit is not None else None
+        if self.sent_log is not None and not isinstance(self.sent_log, SentLog):
+            raise ConfigurationError(
+                f"EmailHandler: sent_log must be a SentLog or an Engine, got {sent_log!r}"
+            )
+        self.rate_limiter: RateLimiter | None = (
+            rate_limit
+            if rate_limit is None or isinstance(rate_limit, RateLimiter)
+            else RateLimiter(rate_limit)
+        )
         self.context_loader = context_loader
-        self._domain = parseaddr(sender)[1].rsplit("@", 1)[1]
-        self._templates = self._environment(templates) if templates is not None else None
+        self._templates = _environment(templates) if templates is not None else None
+        if password is not None and not (starttls or ssl) and not _is_loopback(host):
+            log.warning(
+                "EmailHandler for %s:%d sends its password unencrypted: set starttls=True or ssl=True",
+                host,
+                port,
+                extra={"action": "smtp_plaintext_auth", "smtp_host": host},
+            )
 
     def __repr__(self) -> str:  # never the password
-        return f"<EmailHandler {self.host}:{self.port} from {self.sender}>"
+        return f"<EmailHandler {self.host}:{self.port} from {self._sender}>"
 
     def outbox_secrets(self) -> list[str]:
-        return [self._password] if self._password else []
+        """The password (and its base64 forms, as AUTH PLAIN/LOGIN send it) for the relay to mask."""
+        return list(self._secrets)
 
-    @staticmethod
-    def _environment(folder: str | Path) -> Any:
-        try:
-            from jinja2 import FileSystemLoader, StrictUndefined, select_autoescape
-            from jinja2.sandbox import SandboxedEnvironment
-        except ImportError:
-            raise ConfigurationError(
-                "email templates need Jinja2: pip install 'sqlalchemy-outbox[email]'"
-            ) from None
-        if not Path(folder).is_dir():
-            raise ConfigurationError(f"EmailHandler: templates folder {folder} does not exist")
-        return SandboxedEnvironment(
-            loader=FileSystemLoader(str(folder)),
-            autoescape=select_autoescape(["html"]),
-            undefined=StrictUndefined,
-        )
-
-    # -- building the mail ------------------------------------------------------------
+    # -- building the mail ----------------------------------------------------------------
 
     def message_id(self, message: Message) -> str:
-        basis = message.key if message.key is not None else f"{message.event_id}:{message.handler}"
-        token = uuid.uuid5(uuid.NAMESPACE_URL, f"outbox-email:{message.handler}:{basis}").hex
-        return f"<{token}@{self._domain}>"
-
-    def _render(self, message: Message) -> tuple[str, str | None, str | None]:
-        payload = message.payload
-        if "template" in payload:
-            if self._templates is None:
-                raise PermanentError("payload names a template but the handler has no templates folder")
-            context = dict(payload.get("context") or {})
-            if self.context_loader is not None:
-                context.update(self.context_loader(message))
-            name = str(payload["template"])
-            if "/" in name or "\\" in name or name.startswith("."):
-                raise PermanentError(f"invalid template name {name!r}")
-            try:
-                from jinja2 import TemplateError, TemplateNotFound
-            except ImportError:  # pragma: no cover - checked at construction
-                raise
-            try:
-                subject = self._templates.get_template(f"{name}.subject.txt").render(context).strip()
-                text = self._optional(f"{name}.txt", context, TemplateNotFound)
-                html = self._optional(f"{name}.html", context, TemplateNotFound)
-            except TemplateNotFound as exc:
-                raise PermanentError(f"template {exc.name} not found") from None
-            except TemplateError as exc:
-                raise PermanentError(f"template {name} failed: {exc}") from None
-        else:
-            subject = payload.get("subject")
-            text, html = payload.get("text"), payload.get("html")
-            if not isinstance(subject, str):
-                raise PermanentError("payload needs 'subject' with 'text' and/or 'html', or 'template'")
-        if text is None and html is None:
-            raise PermanentError("the mail has neither a text nor an html body")
-        return _no_newlines("subject", subject), text, html
-
-    def _optional(self, name: str, context: Mapping[str, Any], missing: type[Exception]) -> str | None:
-        assert self._templates is not None
-        try:
-            return str(self._templates.get_template(name).render(context))
-        except missing:
-            return None
+        """The ``Message-ID`` header of ``message``'s mail: the same for every attempt."""
+        return message_id_for(message, self._sender.domain)
 
     def build(self, message: Message) -> EmailMessage:
-        recipients = _addresses(message.payload.get("to"))
-        subject, text, html = self._render(message)
-        mail = EmailMessage()
-        mail["From"] = self.sender
-        mail["To"] = ", ".join(recipients)
-        mail["Subject"] = subject
-        mail["Message-ID"] = self.message_id(message)
-        if text is not None:
-            mail.set_content(text)
-            if html is not None:
-                mail.add_alternative(html, subtype="html")
-        else:
-            mail.set_content(html or "", subtype="html")
-        return mail
+        """The mail ``message`` sends, without sending it (previews, tests); raises PermanentError."""
+        payload = message.payload
+        if not isinstance(payload, Mapping):
+            raise PermanentError("an email payload must be a JSON object", detail={"reason": "bad_payload"})
+        recipients = parse_recipients(payload.get("to"))
+        return build_mail(self._sender, recipients, self._body(message, payload), self.message_id(message))
 
-    # -- sending ----------------------------------------------------------------------
+    def _body(self, message: Message, payload: Mapping[str, Any]) -> Body:
+        if "template" in payload:
+            if "subject" in payload or "text" in payload or "html" in payload:
+                raise PermanentError(
+                    "payload gives both 'template' and 'subject'/'text'/'html'; use one or the other",
+                    detail={"reason": "bad_payload"},
+                )
+            return self._render(message, payload)
+        subject, text, html = payload.get("subject"), payload.get("text"), payload.get("html")
+        if subject is None:
+            raise PermanentError(
+                "payload needs 'subject' with 'text' and/or 'html', or 'template' with 'context'",
+                detail={"reason": "bad_payload"},
+            )
+        if not all(part is None or isinstance(part, str) for part in (text, html)) or text is html is None:
+            raise PermanentError(
+                "payload needs 'text' and/or 'html' strings", detail={"reason": "bad_payload"}
+            )
+        return Body(checked_header("subject", subject), text, html)
+
+    def _render(self, message: Message, payload: Mapping[str, Any]) -> Body:
+        env = self._templates
+        if env is None:
+            raise PermanentError(
+                "payload names a template but this EmailHandler has no templates=",
+                detail={"reason": "no_templates"},
+            )
+        from jinja2 import TemplateError, TemplateNotFound
+
+        name = payload["template"]
+        if not isinstance(name, str) or not _TEMPLATE_NAME.match(name) or ".." in name:
+            raise PermanentError(f"invalid template name {name!r}", detail={"reason": "bad_template_name"})
+        context = payload.get("context", {})
+        if not isinstance(context, Mapping):
+            raise PermanentError("payload 'context' must be an object", detail={"reason": "bad_payload"})
+        context = dict(context)
+        if self.context_loader is not None:
+            loaded = self.context_loader(message)
+            if not isinstance(loaded, Mapping):
+                raise PermanentError(
+                    f"context_loader returned {type(loaded).__name__}, not a mapping",
+                    detail={"reason": "bad_context"},
+                )
+            context.update(loaded)
+        try:
+            subject = env.get_template(f"{name}.subject.txt")
+        except TemplateNotFound:
+            raise PermanentError(
+                f"template {name}.subject.txt not found (a template needs a subject)",
+                detail={"reason": "template_not_found", "template": f"{name}.subject.txt"},
+            ) from None
+        parts: dict[str, str | None] = {}
+        try:
+            for suffix in ("txt", "html"):
+                try:
+                    template = env.get_template(f"{name}.{suffix}")
+                except TemplateNotFound as exc:
+                    if exc.name != f"{name}.{suffix}":
+                        raise
+                    parts[suffix] = None
+                    continue
+                parts[suffix] = template.render(context)
+            rendered_subject = subject.render(context)
+        except TemplateError as exc:  # syntax, undefined variable, sandbox violation, missing include
+            raise PermanentError(
+                f"template {name} failed: {type(exc).__name__}: {exc}",
+                detail={"reason": "template_error", "template": name},
+            ) from None
+        if parts["txt"] is None and parts["html"] is None:
+            raise PermanentError(
+                f"template {name} has neither {name}.txt nor {name}.html",
+                detail={"reason": "template_not_found", "template": name},
+            )
+        return Body(checked_header("subject", rendered_subject), parts["txt"], parts["html"])
+
+    # -- sending --------------------------------------------------------------------------------
 
     def __call__(self, message: Message) -> dict[str, Any]:
-        mail = self.build(message)
-        message_id = str(mail["Message-ID"])
-        if self.sent_log is not None and self.sent_log.was_sent(message_id):
-            return {"message_id": message_id, "skipped": "already accepted by the server"}
-        if self.limiter is not None:
-            self.limiter.acquire_sync()
-        response = self._send(mail)
+        message_id = self.message_id(message)
         if self.sent_log is not None:
-            self.sent_log.record(message_id, message.id, response)
-        return {"message_id": message_id, "smtp_response": response}
-
-    def _send(self, mail: EmailMessage) -> str:
-        recipients = [addr for _, addr in getaddresses([str(mail["To"])])]
-        try:
-            client: smtplib.SMTP
-            if self.ssl:
-                client = smtplib.SMTP_SSL(
-                    self.host, self.port, timeout=self.timeout, context=ssl_module.create_default_context()
+            earlier = self._already_sent(message_id)
+            if earlier is not None:
+                return {
+                    "message_id": message_id,
+                    "skipped": "already accepted by the server",
+                    "accepted_at": earlier.accepted_at.isoformat(),
+                    "accepted_in_attempt": earlier.attempt,
+                }
+        mail = self.build(message)
+        self._wait_for_rate()
+        recipients = [*mail["To"].addresses]
+        accepted = transact(self._smtp, self._sender, recipients, mail, scrub=self._scrub)
+        detail: dict[str, Any] = {
+            "message_id": message_id,
+            "smtp_code": accepted.code,
+            "smtp_message": accepted.text,
+            "recipients": len(recipients),
+        }
+        if self.sent_log is not None:
+            try:
+                self.sent_log.record(
+                    message_id,
+                    handler=message.handler,
+                    outbox_message_id=message.id,
+                    attempt=message.attempt,
+                    response=accepted.response,
                 )
-            else:
-                client = smtplib.SMTP(self.host, self.port, timeout=self.timeout)
-            with client:
-                if self.starttls:
-                    client.starttls(context=ssl_module.create_default_context())
-                if self.username is not None and self._password is not None:
-                    client.login(self.username, self._password)
-                refused = client.send_message(mail, from_addr=parseaddr(self.sender)[1], to_addrs=recipients)
-        except smtplib.SMTPAuthenticationError as exc:
-            log.error(
-                "SMTP authentication failed at %s:%d for %s (%d)",
-                self.host,
-                self.port,
-                self.username,
-                exc.smtp_code,
-                extra={"action": "smtp_auth_failed"},
-            )
-            raise PermanentError(
-                f"SMTP authentication failed ({exc.smtp_code})",
-                detail=_smtp_detail(exc.smtp_code, exc.smtp_error),
+            except SQLAlchemyError as exc:
+                # Sent is sent: reporting a failure now would make the relay send it again.
+                log.error(
+                    "mail %s was accepted but could not be recorded in the sent-log: %s",
+                    message_id,
+                    type(exc).__name__,
+                    extra={"action": "email_sent_log_failed", "message_id": message.id},
+                )
+                detail["sent_log"] = "not recorded"
+        return detail
+
+    def _already_sent(self, message_id: str) -> SentRecord | None:
+        assert self.sent_log is not None
+        try:
+            return self.sent_log.lookup(message_id)
+        except SQLAlchemyError as exc:
+            raise RetryLater(
+                f"the email sent-log could not be read ({type(exc).__name__}); nothing was sent",
+                detail={"reason": "sent_log_unavailable"},
             ) from None
-        except smtplib.SMTPRecipientsRefused as exc:
-            codes = {addr: code for addr, (code, _) in exc.recipients.items()}
-            first_code, first_text = next(iter(exc.recipients.values()))
-            detail = {**_smtp_detail(first_code, first_text), "recipients": codes}
-            if all(400 <= c < 500 for c in codes.values()):
-                raise RetryLater(f"recipient temporarily refused ({first_code})", detail=detail) from None
-            raise PermanentError(f"recipient refused ({first_code})", detail=detail) from None
-        except smtplib.SMTPResponseException as exc:
-            detail = _smtp_detail(exc.smtp_code, exc.smtp_error)
-            if 400 <= exc.smtp_code < 500:
-                raise RetryLater(f"SMTP {exc.smtp_code}: {detail['smtp_message']}", detail=detail) from None
-            raise PermanentError(f"SMTP {exc.smtp_code}: {detail['smtp_message']}", detail=detail) from None
-        except (TimeoutError, smtplib.SMTPServerDisconnected, smtplib.SMTPConnectError, OSError) as exc:
-            raise RetryLater(f"SMTP connection failed: {exc or type(exc).__name__}") from None
-        if refused:
-            raise PermanentError(f"some recipients were refused: {sorted(refused)}")
-        return "250 accepted"
+
+    def _wait_for_rate(self) -> None:
+        if self.rate_limiter is None:
+            return
+        try:
+            self.rate_limiter.acquire_sync(max_wait=min(MAX_RATE_WAIT, self.timeout))
+        except RateLimited as exc:
+            raise RetryLater(
+                f"rate limit for {self.host} reached; rescheduled",
+                delay=exc.wait,
+                detail={"rate_limit": "deferred", "smtp_host": self.host, "retry_in": round(exc.wait, 3)},
+                counts_as_attempt=False,
+            ) from None
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
 
-def _smtp_detail(code: int, message: bytes | str) -> dict[str, Any]:
-    text = message.decode("utf-8", "replace") if isinstance(message, bytes) else str(message)
-    return {"smtp_code": code, "smtp_message": text[:300]}
+def _secret_forms(username: str | None, password: str | None) -> tuple[str, ...]:
+    if not password:
+        return ()
+    plain = base64.b64encode(f"\0{username}\0{password}".encode()).decode()
+    login = base64.b64encode(password.encode()).decode()
+    return tuple(dict.fromkeys((password, plain, login)))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _environment(templates: Any) -> Environment:
+    try:
+        from jinja2 import BaseLoader, FileSystemLoader, StrictUndefined, select_autoescape
+        from jinja2.sandbox import SandboxedEnvironment
+    except ImportError:
+        raise ConfigurationError(_INSTALL_HINT) from None
+    if isinstance(templates, BaseLoader):
+        loader: BaseLoader = templates
+    elif isinstance(templates, str | os.PathLike):
+        if not os.path.isdir(templates):
+            raise ConfigurationError(
+                f"EmailHandler: templates folder {os.fspath(templates)!r} does not exist"
+            )
+        loader = FileSystemLoader(os.fspath(templates))
+    else:
+        raise ConfigurationError(
+            f"EmailHandler: templates must be a folder or a jinja2 loader, got {type(templates).__name__}"
+        )
+    # Autoescape by file name: .html is escaped, the .txt bodies and subject lines are not.
+    return SandboxedEnvironment(
+        loader=loader,
+        autoescape=select_autoescape(
+            enabled_extensions=("html", "htm"), default_for_string=False, default=False
+        ),
+        undefined=StrictUndefined,
+    )

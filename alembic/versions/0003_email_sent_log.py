@@ -1,4 +1,4 @@
-"""The email sent-log: Message-IDs the SMTP server accepted (outbox.integrations.email).
+"""The email sent-log: Message-IDs an SMTP server accepted (outbox.integrations.email).
 
 Revision ID: outbox_0003
 Revises: outbox_0002
@@ -19,8 +19,10 @@ depends_on = None
 def upgrade() -> None:
     op.create_table(
         "outbox_email_sent",
-        sa.Column("message_id", sa.String(255), nullable=False),
-        sa.Column("outbox_message_id", sa.String(32), nullable=False),
+        sa.Column("message_id", sa.String(320), nullable=False),
+        sa.Column("handler", sa.String(255), nullable=False),
+        sa.Column("outbox_message_id", sa.BigInteger, nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
         sa.Column("accepted_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("smtp_response", sa.Text),
         sa.PrimaryKeyConstraint("message_id", name="pk_outbox_email_sent"),

@@ -1,0 +1,152 @@
+"""Building the mail: strict address parsing, header-injection checks, the deterministic Message-ID.
+
+Everything a payload puts into a header passes through here. Any line break
+(CR, LF and every other character ``str.splitlines`` breaks on) or control
+character is refused with a :class:`~outbox.PermanentError`, before the email
+package sees it: its own check raises a ``ValueError``, which the relay would
+treat as transient and retry pointlessly.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from email import policy
+from email.headerregistry import Address
+from email.message import EmailMessage
+from email.utils import formatdate
+from typing import Any
+
+from outbox import Message, PermanentError
+
+__all__ = ["Body", "bad_header_text", "build_mail", "message_id_for", "parse_address", "parse_recipients"]
+
+#: What the email package (and some mail readers) treat as a line end, plus NUL and other C0 controls.
+_UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
+_LABEL = re.compile(r"^[^\W_](?:[\w-]{0,61}[^\W_])?$")
+_MAX_RECIPIENTS = 100
+_REQUEUE_SUFFIX = re.compile(r"(?:~requeue:\d+)+$")
+
+#: 7bit bodies (quoted-printable or base64 when needed): right for every server, 8BITMIME or not.
+POLICY = policy.SMTP.clone(cte_type="7bit")
+
+
+class InvalidAddress(ValueError):
+    """An address the handler refuses to put in an envelope or a header."""
+
+
+def bad_header_text(value: str) -> bool:
+    return _UNSAFE.search(value) is not None
+
+
+def checked_header(field: str, value: Any) -> str:
+    """A payload value bound for a header: a string without line breaks, or a permanent error."""
+    if not isinstance(value, str):
+        raise PermanentError(f"payload {field!r} must be a string", detail={"field": field})
+    if bad_header_text(value):
+        raise PermanentError(
+            f"payload {field!r} contains a line break or control character (header injection refused)",
+            detail={"field": field, "reason": "header_injection"},
+        )
+    return value.strip()
+
+
+def _domain(domain: str) -> str:
+    try:  # internationalised domains travel as their ASCII (IDNA) form
+        ascii_domain = domain.encode("idna").decode("ascii") if not domain.isascii() else domain
+    except UnicodeError:
+        raise InvalidAddress(f"invalid domain {domain!r}") from None
+    labels = ascii_domain.split(".")
+    if len(ascii_domain) > 253 or not all(_LABEL.match(label) for label in labels):
+        raise InvalidAddress(f"invalid domain {domain!r}")
+    return ascii_domain.lower()
+
+
+def parse_address(value: str) -> Address:
+    """One mailbox (``a@example.com`` or ``Name <a@example.com>``), strictly; raises InvalidAddress.
+
+    Group syntax, several addresses in one string, comments the parser had to
+    repair and source routes are all refused rather than guessed at.
+    """
+    if bad_header_text(value):
+        raise InvalidAddress("address contains a line break or control character (header injection refused)")
+    try:
+        header = policy.default.header_factory("to", value)
+        groups = header.groups
+    except Exception:  # the header parser has crash paths on some malformed input
+        raise InvalidAddress(f"invalid address {value!r}") from None
+    defects = [d for d in header.defects if type(d).__name__ != "NonASCIILocalPartDefect"]
+    if defects or len(groups) != 1 or groups[0].display_name is not None or len(groups[0].addresses) != 1:
+        raise InvalidAddress(
+            f"invalid address {value!r} (one mailbox per entry: 'a@example.com' or 'Name <a@...>')"
+        )
+    mailbox: Address = groups[0].addresses[0]
+    local, domain = mailbox.username, mailbox.domain
+    if not local or not domain or len(local) > 64 or domain.startswith("["):
+        raise InvalidAddress(f"invalid address {value!r}")
+    if bad_header_text(mailbox.display_name):
+        raise InvalidAddress("display name contains a line break (header injection refused)")
+    return Address(display_name=mailbox.display_name, username=local, domain=_domain(domain))
+
+
+def parse_recipients(value: Any) -> list[Address]:
+    """The payload's ``to``: one address or a list of them; never empty."""
+    items = [value] if isinstance(value, str) else value if isinstance(value, list | tuple) else None
+    if not items or len(items) > _MAX_RECIPIENTS or not all(isinstance(v, str) for v in items):
+        raise PermanentError(
+            f"payload 'to' must be an address or a list of 1 to {_MAX_RECIPIENTS} addresses",
+            detail={"field": "to", "reason": "invalid_address"},
+        )
+    result: list[Address] = []
+    for item in items:
+        try:
+            result.append(parse_address(item))
+        except InvalidAddress as exc:
+            reason = "header_injection" if "injection" in str(exc) else "invalid_address"
+            raise PermanentError(f"payload 'to': {exc}", detail={"field": "to", "reason": reason}) from None
+    return result
+
+
+def message_id_for(message: Message, domain: str) -> str:
+    """``<32 hex digits@sender domain>``, the same for every attempt of the message.
+
+    From the idempotency key when the message has one (so re-emitting the same
+    key maps to the same mail even after the outbox rows were purged), else from
+    the event id; the route's name keeps two email routes of one event apart.
+    ``outbox requeue`` suffixes keys with ``~requeue:<old id>``; the suffix is
+    ignored, so a requeued copy is the same mail and the sent-log still applies.
+    """
+    if message.key is not None:
+        basis = "key:" + _REQUEUE_SUFFIX.sub("", message.key)
+    else:
+        basis = f"event:{message.event_id}"
+    token = uuid.uuid5(uuid.NAMESPACE_URL, f"outbox-email:{message.handler}:{basis}").hex
+    return f"<{token}@{domain}>"
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    subject: str
+    text: str | None
+    html: str | None
+
+
+def build_mail(sender: Address, recipients: list[Address], body: Body, message_id: str) -> EmailMessage:
+    mail = EmailMessage(policy=POLICY)
+    mail["From"] = sender
+    mail["To"] = recipients
+    mail["Subject"] = body.subject
+    mail["Date"] = formatdate(usegmt=True)
+    mail["Message-ID"] = message_id
+    if body.text is not None:
+        mail.set_content(body.text)
+        if body.html is not None:
+            mail.add_alternative(body.html, subtype="html")
+    else:
+        mail.set_content(body.html or "", subtype="html")
+    return mail
+
+
+def needs_smtputf8(addresses: list[Address]) -> bool:
+    return any(not a.username.isascii() for a in addresses)
