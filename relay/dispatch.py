@@ -91,7 +91,8 @@ async def attempt(
     message = to_message(row)
     started = utcnow()
     clock = time.monotonic()
-    outcome, status, retry_in = "delivered", "delivered", 0.0
+    outcome, status = "delivered", "delivered"
+    retry_in: float | None = None  # None: the route's backoff decides; RetryLater(delay=0) means now
     error_type: str | None = None
     error: str | None = None
     detail: dict[str, Any] | None = None
@@ -134,7 +135,7 @@ async def attempt(
             outcome = "dead"
     else:
         status = "pending"
-        if retry_in == 0.0:
+        if retry_in is None:
             retry_in = route.backoff.delay(message.attempt, rng)
     # Wall-clock stamps place the attempt in time; the monotonic clock measures it.
     finished = started + timedelta(seconds=time.monotonic() - clock)
@@ -147,7 +148,7 @@ async def attempt(
         status=status,
         started_at=started,
         finished_at=finished,
-        retry_in=min(retry_in, MAX_RETRY_DELAY),
+        retry_in=min(retry_in or 0.0, MAX_RETRY_DELAY),
         error_type=None if error_type is None else _storable_text(error_type)[:_NAME_LIMIT],
         error=None if error is None else _storable_text(error),
         detail=_storable_detail(detail),

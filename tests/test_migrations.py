@@ -95,6 +95,15 @@ def test_migrated_schema_matches_the_table_definitions(database_url):
     finally:
         engine.dispose()
     assert diff == [], f"migrations and table definitions disagree: {diff}"
+    # compare_metadata does not look at check constraints; their names are part of the schema too.
+    engine = create_engine(database_url)
+    try:
+        inspector = inspect(engine)
+        for table in combined.tables.values():
+            expected = {c.name for c in table.constraints if c.__class__.__name__ == "CheckConstraint"}
+            assert {c["name"] for c in inspector.get_check_constraints(table.name)} == expected, table.name
+    finally:
+        engine.dispose()
 
 
 def write_app_alembic(folder: Path, url: str) -> Path:

@@ -104,10 +104,10 @@ def upgrade() -> None:
         sa.UniqueConstraint("handler", "idempotency_key", name="uq_outbox_message_handler_idempotency_key"),
         sa.CheckConstraint(
             "status IN ('pending', 'running', 'delivered', 'dead', 'discarded')",
-            name="ck_outbox_message_status",
+            name=op.f("ck_outbox_message_status"),
         ),
-        sa.CheckConstraint("attempts >= 0", name="ck_outbox_message_attempts"),
-        sa.CheckConstraint("max_attempts >= 1", name="ck_outbox_message_max_attempts"),
+        sa.CheckConstraint("attempts >= 0", name=op.f("ck_outbox_message_attempts")),
+        sa.CheckConstraint("max_attempts >= 1", name=op.f("ck_outbox_message_max_attempts")),
         sqlite_autoincrement=True,
     )
     op.create_index(
@@ -154,7 +154,7 @@ def upgrade() -> None:
         sa.CheckConstraint(
             "outcome IN ('delivered', 'retry', 'failed', 'dead', 'timeout', 'lease_expired', "
             "'requeued', 'discarded')",
-            name="ck_outbox_attempt_outcome",
+            name=op.f("ck_outbox_attempt_outcome"),
         ),
         sqlite_autoincrement=True,
     )

@@ -37,9 +37,10 @@ def upgrade() -> None:
         sa.Column("assembled_by", sa.Integer),
         sa.Column("error", sa.Text),
         sa.CheckConstraint(
-            "status IN ('running', 'assembling', 'complete', 'failed')", name="ck_outbox_report_run_status"
+            "status IN ('running', 'assembling', 'complete', 'failed')",
+            name=op.f("ck_outbox_report_run_status"),
         ),
-        sa.CheckConstraint("done_chunks <= total_chunks", name="ck_outbox_report_run_progress"),
+        sa.CheckConstraint("done_chunks <= total_chunks", name=op.f("ck_outbox_report_run_progress")),
         sa.PrimaryKeyConstraint("id", name="pk_outbox_report_run"),
     )
     op.create_table(
