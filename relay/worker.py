@@ -386,7 +386,9 @@ class Relay:
     # -- claiming and dispatch -------------------------------------------------------------
 
     def _free(self, queue: str) -> int:
-        free = self.concurrency - len(self._inflight)
+        # Outcomes not yet written hold their slot: if the database falls behind, the
+        # relay claims less instead of piling up results in memory.
+        free = self.concurrency - len(self._inflight) - len(self._buffer)
         limit = self.queue_concurrency.get(queue)
         if limit is not None:
             free = min(free, limit - self._by_queue[queue])
@@ -516,6 +518,8 @@ class Relay:
                 self._buffer[:0] = batch  # keep them, in order, for the next try
                 self._buffered.set()
                 raise
+        if self._saturated:
+            self._wake.set()  # the written outcomes freed their slots
         for message, completion in batch:
             self._announce(message, completion)
 
