@@ -61,6 +61,16 @@ def _message_id(value: str) -> int:
     return number
 
 
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value!r}")
+    return number
+
+
 def _add_database(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--database-url",
@@ -115,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="messages, newest first, filtered and paginated")
     _add_database(listing)
     _add_filters(listing)
-    listing.add_argument("--limit", type=_message_id, default=50, help="page size (default: 50)")
+    listing.add_argument("--limit", type=_count, default=50, help="page size (default: 50)")
     listing.add_argument("--before-id", type=_message_id, help="next page: the last id of the previous one")
     listing.add_argument("--json", action="store_true")
 
@@ -145,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
         "--delivered-older-than", type=_duration, required=True, metavar="AGE", help="e.g. 30d"
     )
     purge.add_argument("--history-older-than", type=_duration, metavar="AGE", help="e.g. 90d")
-    purge.add_argument("--batch-size", type=_message_id, default=1000)
+    purge.add_argument("--batch-size", type=_count, default=1000)
     purge.add_argument("--json", action="store_true")
     return parser
 
@@ -258,11 +268,14 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
     where = _filter(args, args.ids)
     actor = args.actor or getpass.getuser()
     if not args.ids:
-        allowed = ops.REQUEUABLE if args.command == "requeue" else ops.DISCARDABLE
         if where.empty:
             raise _Failed(f"give message ids or a filter; {args.command} never acts on everything")
-        candidates = [r for r in ops.list_messages(engine, where, limit=10**9) if r.status in allowed]
-        if not _confirm(len(candidates), args.command, args):
+        if args.command == "requeue":
+            count = len(ops.requeue_candidates(engine, where))
+        else:
+            rows = ops.list_messages(engine, where, limit=10**9)
+            count = sum(1 for r in rows if r.status in ops.DISCARDABLE)
+        if not _confirm(count, args.command, args):
             print("nothing done")
             return 0
     if args.command == "requeue":

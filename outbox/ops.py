@@ -33,6 +33,7 @@ __all__ = [
     "parse_duration",
     "purge",
     "requeue",
+    "requeue_candidates",
     "show",
     "stats",
 ]
@@ -231,12 +232,12 @@ def _check_reason(reason: str, actor: str) -> None:
 
 
 def _select_targets(
-    conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str
+    conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str, *, lock: bool = True
 ) -> list[Row[Any]]:
     if where.empty:
         raise OpsError(f"refusing to {verb} every message: give ids or a filter")
     stmt = where.apply(select(m)).order_by(m.c.id)
-    if conn.dialect.name == "postgresql":
+    if lock and conn.dialect.name == "postgresql":
         stmt = stmt.with_for_update()
     rows = list(conn.execute(stmt))
     if where.ids:
@@ -252,6 +253,47 @@ def _select_targets(
     return [r for r in rows if r.status in allowed]
 
 
+def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
+    """Old id → id of its newest copy, for those of ``ids`` that were requeued before."""
+    if not ids:
+        return {}
+    return {
+        old: new
+        for old, new in conn.execute(
+            select(m.c.requeued_from, func.max(m.c.id))
+            .where(m.c.requeued_from.in_(list(ids)))
+            .group_by(m.c.requeued_from)
+        )
+    }
+
+
+def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
+    """The ids a filter-based :func:`requeue` would copy now (what a confirmation prompt counts)."""
+    with engine.connect() as conn:
+        rows = _select_targets(conn, where, REQUEUABLE, "requeue", lock=False)
+        copied = _requeued_as(conn, [r.id for r in rows])
+    return [r.id for r in rows if r.id not in copied]
+
+
+def _record_action(
+    conn: Connection, old: Row[Any], outcome: str, actor: str, reason: str, now: datetime, **detail: Any
+) -> None:
+    """An operator's action as a history row on the message it acted on."""
+    conn.execute(
+        insert(a).values(
+            message_id=old.id,
+            attempt=old.attempts,
+            outcome=outcome,
+            started_at=now,
+            finished_at=now,
+            duration_ms=0,
+            actor=actor,
+            reason=reason,
+            detail={**detail, "previous_status": old.status},
+        )
+    )
+
+
 def requeue(engine: Engine, where: MessageFilter, *, reason: str, actor: str) -> list[tuple[int, int]]:
     """Give dead (or discarded) messages a fresh start as new messages; returns (old id, new id) pairs.
 
@@ -259,12 +301,23 @@ def requeue(engine: Engine, where: MessageFilter, *, reason: str, actor: str) ->
     actor, the reason and the new id. The copy keeps the event id, payload,
     route, group and aggregate; its idempotency key gains a ``~requeue:<old id>``
     suffix, because (route, key) is unique and the old row still holds the key.
+
+    A message is requeued at most once, because the old row stays dead and a
+    second copy would deliver the event twice: named ids that already have a
+    copy are refused (requeue the copy if it failed too), a filter skips them.
     """
     _check_reason(reason, actor)
     now = _now()
     pairs: list[tuple[int, int]] = []
     with engine.begin() as conn:
-        for old in _select_targets(conn, where, REQUEUABLE, "requeue"):
+        targets = _select_targets(conn, where, REQUEUABLE, "requeue")
+        copied = _requeued_as(conn, [r.id for r in targets])
+        if copied and where.ids:
+            listed = ", ".join(f"{old} (as {new})" for old, new in sorted(copied.items()))
+            raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
+        for old in targets:
+            if old.id in copied:
+                continue
             key = f"{old.idempotency_key}~requeue:{old.id}"[:255] if old.idempotency_key else None
             new_id = conn.execute(
                 insert(m)
@@ -290,19 +343,7 @@ def requeue(engine: Engine, where: MessageFilter, *, reason: str, actor: str) ->
                 )
                 .returning(m.c.id)
             ).scalar_one()
-            conn.execute(
-                insert(a).values(
-                    message_id=old.id,
-                    attempt=old.attempts,
-                    outcome="requeued",
-                    started_at=now,
-                    finished_at=now,
-                    duration_ms=0,
-                    actor=actor,
-                    reason=reason,
-                    detail={"new_id": new_id, "previous_status": old.status},
-                )
-            )
+            _record_action(conn, old, "requeued", actor, reason, now, new_id=new_id)
             pairs.append((old.id, new_id))
     return pairs
 
@@ -321,19 +362,7 @@ def discard(engine: Engine, where: MessageFilter, *, reason: str, actor: str) ->
             ).rowcount
             if not changed:
                 continue
-            conn.execute(
-                insert(a).values(
-                    message_id=old.id,
-                    attempt=old.attempts,
-                    outcome="discarded",
-                    started_at=now,
-                    finished_at=now,
-                    duration_ms=0,
-                    actor=actor,
-                    reason=reason,
-                    detail={"previous_status": old.status},
-                )
-            )
+            _record_action(conn, old, "discarded", actor, reason, now)
             done.append(old.id)
     return done
 
