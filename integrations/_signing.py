@@ -14,7 +14,8 @@ import hashlib
 import hmac
 import secrets as _random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from outbox import ConfigurationError, OutboxError
 
@@ -89,8 +90,15 @@ def sign(keys: Iterable[bytes], msg_id: str, timestamp: int, body: bytes) -> str
     )
 
 
-def _lowered(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str, str]:
-    items = headers.items() if isinstance(headers, Mapping) else headers
+class SupportsItems(Protocol):
+    """Anything header-like with ``items()``: a dict, Starlette/Django/Flask headers, ``http.server``'s."""
+
+    def items(self) -> Iterable[tuple[str, Any]]: ...
+
+
+def _lowered(headers: SupportsItems | Iterable[tuple[str, str]]) -> dict[str, str]:
+    # Duck-typed: email.message.Message (http.server) and werkzeug's headers are not Mappings.
+    items = headers.items() if hasattr(headers, "items") else headers
     try:
         return {str(k).lower(): str(v) for k, v in items}
     except (TypeError, ValueError):
@@ -99,7 +107,7 @@ def _lowered(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str
 
 def verify(
     payload: bytes | str,
-    headers: Mapping[str, str] | Iterable[tuple[str, str]],
+    headers: SupportsItems | Iterable[tuple[str, str]],
     secret: str | Sequence[str],
     *,
     tolerance: float = 300,
@@ -107,8 +115,9 @@ def verify(
     """Check a received webhook; raise :class:`WebhookVerificationError` unless it is authentic.
 
     ``payload`` is the raw request body exactly as received (verify before
-    parsing JSON: re-serialising changes the bytes). ``headers`` is any mapping
-    (names compared case-insensitively). ``secret`` is one ``whsec_...`` secret
+    parsing JSON: re-serialising changes the bytes). ``headers`` is anything
+    with ``items()`` (a dict, a web framework's or ``http.server``'s headers) or
+    a list of pairs; names are compared case-insensitively. ``secret`` is one ``whsec_...`` secret
     or several: a signature made with any of them is accepted, which is how a
     receiver rotates. A timestamp more than ``tolerance`` seconds away from now,
     in either direction, is refused, so a captured request cannot be replayed

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import re
+import ssl
 import threading
 import time
 import uuid
@@ -186,8 +187,9 @@ class _Clients:
     resolves to the same IP; a client per host name rules that out.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, ssl_context: ssl.SSLContext | None) -> None:
         self._timeout = timeout
+        self._verify: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self._clients: OrderedDict[str, httpx.AsyncClient] = OrderedDict()
         self._busy: dict[str, int] = {}
 
@@ -201,6 +203,7 @@ class _Clients:
                 # Proxy variables from the environment would route around the SSRF guard.
                 trust_env=False,
                 headers={"user-agent": _USER_AGENT},
+                verify=self._verify,
             )
         self._clients.move_to_end(host)
         self._busy[host] = self._busy.get(host, 0) + 1
@@ -235,7 +238,10 @@ class WebhookHandler:
     ones (``Authorization``, ``*token*``, ...) are masked in history like the
     secrets. After ``breaker_threshold`` consecutive failures a host is paused
     for ``breaker_cooldown`` seconds. ``rate_limit`` caps requests per second
-    per host across every concurrent delivery of the relay.
+    per host across every concurrent delivery of the relay. ``ssl_context``
+    replaces the default certificate verification (certifi's CAs), e.g. to
+    trust a private CA; certificates are always checked against the URL's
+    host name, even though the connection goes to the checked IP.
     """
 
     def __init__(
@@ -249,6 +255,7 @@ class WebhookHandler:
         breaker_threshold: int = 5,
         breaker_cooldown: float = 30.0,
         rate_limit: float | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if secret is None:
             raise ConfigurationError(
@@ -263,6 +270,7 @@ class WebhookHandler:
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown)
         self._limiters = None if rate_limit is None else RateLimiters(_number("rate_limit", rate_limit))
         self.rate_limit = None if self._limiters is None else self._limiters.rate
+        self.ssl_context = ssl_context
         self.url = url
         self._target: _Target | None = None
         if url is not None:
@@ -295,7 +303,7 @@ class WebhookHandler:
         for name, value in self.headers.items():
             if _SECRET_KEY.search(name) and value.strip():
                 found.append(value)
-                scheme, _, credentials = value.strip().partition(" ")  # "Bearer <token>": the token too
+                _, _, credentials = value.strip().partition(" ")  # "Bearer <token>": the token too
                 if credentials.strip():
                     found.append(credentials.strip())
         return found
@@ -384,7 +392,7 @@ class WebhookHandler:
         with self._pools_lock:
             pool = self._pools.get(loop)
             if pool is None:
-                pool = self._pools[loop] = _Clients(self.timeout)
+                pool = self._pools[loop] = _Clients(self.timeout, self.ssl_context)
             return pool
 
     async def _send(self, target: _Target, msg_id: str, body: bytes) -> tuple[int, httpx.Headers, str]:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import email.message
 import ipaddress
 import json
 import logging
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 import uuid
@@ -20,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,8 +81,9 @@ class Received:
 class Receiver:
     """A ThreadingHTTPServer on 127.0.0.1 answering POSTs from a script (then ``default``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.script: list[Reply | Callable[[Received], Reply]] = []
+        self.server_names: list[str | None] = []  # TLS SNI of each handshake
         self.default = Reply()
         self.requests: list[Received] = []
         self.released = threading.Event()
@@ -110,21 +116,55 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        if tls is not None:
+            tls.sni_callback = lambda sock, name, ctx: self.server_names.append(name)
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.scheme = "https" if tls is not None else "http"
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True)
 
     def url(self, path: str = "/hook") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
 
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
+def serve(r: Receiver) -> Iterator[Receiver]:
     r.thread.start()
     yield r
     r.released.set()
     r.server.shutdown()
     r.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    yield from serve(Receiver())
+
+
+TLS_NAME = "hooks.example.test"
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for TLS_NAME only (not for 127.0.0.1)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", f"/CN={TLS_NAME}"]
+        + ["-addext", f"subjectAltName=DNS:{TLS_NAME}"],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.fixture
+def tls_receiver(certificate: tuple[Path, Path]) -> Iterator[Receiver]:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*certificate)
+    yield from serve(Receiver(tls=context))
 
 
 # -- relay plumbing -------------------------------------------------------------------------
@@ -245,6 +285,10 @@ def test_verify_refuses_tampering_missing_headers_and_stale_or_future_timestamps
     verify(body, good, SECRET)
     verify(body, {k.upper(): v for k, v in good.items()}, SECRET)  # header names are case-insensitive
     verify(body, list(good.items()), SECRET)
+    received = email.message.Message()  # what http.server hands a receiver: not a Mapping
+    for name, value in good.items():
+        received[name.title()] = value
+    verify(body, received, SECRET)
 
     with pytest.raises(WebhookVerificationError, match="no signature matches"):
         verify(b'{"n":2}', good, SECRET)
@@ -492,6 +536,32 @@ def test_connects_to_the_checked_address_with_the_host_name_in_host(receiver, fa
     assert len(receiver.requests) == 1
 
 
+def test_https_goes_to_the_checked_address_with_sni_and_verifies_the_host_name(
+    tls_receiver, fake_dns, certificate
+):
+    fake_dns.answers[TLS_NAME] = [["127.0.0.1"]]
+    trusted = ssl.create_default_context(cafile=str(certificate[0]))
+    url = f"https://{TLS_NAME}:{tls_receiver.port}/secure"
+    handler = WebhookHandler(url, SECRET, allowed_networks=LOCAL, ssl_context=trusted)
+    assert call(handler, message({"n": 1}))["status"] == 200
+
+    (req,) = tls_receiver.requests
+    assert tls_receiver.server_names == [TLS_NAME]  # SNI named the host, not the IP connected to
+    assert req.headers["host"] == f"{TLS_NAME}:{tls_receiver.port}"
+    Webhook(SECRET).verify(req.body, req.headers)
+
+    # The certificate names TLS_NAME only: the same server reached as 127.0.0.1 fails verification.
+    by_ip = WebhookHandler(
+        f"https://127.0.0.1:{tls_receiver.port}/", SECRET, allowed_networks=LOCAL, ssl_context=trusted
+    )
+    with pytest.raises(RetryLater, match="connection to 127.0.0.1.*certificate"):
+        call(by_ip, message({"n": 2}))
+    untrusted = WebhookHandler(url, SECRET, allowed_networks=LOCAL)  # certifi's CAs: self-signed refused
+    with pytest.raises(RetryLater, match="certificate"):
+        call(untrusted, message({"n": 3}))
+    assert len(tls_receiver.requests) == 1
+
+
 def test_a_name_with_any_blocked_address_is_refused(receiver, fake_dns):
     fake_dns.answers["mixed.example.test"] = [["127.0.0.1", "10.0.0.7"]]
     handler = WebhookHandler(f"http://mixed.example.test:{receiver.port}/", SECRET, allowed_networks=LOCAL)
@@ -648,11 +718,14 @@ def test_rate_limiter_serves_threads_and_loops_alike():
     stamps.append(time.monotonic())
     stamps.sort()
     assert stamps[-1] - stamps[0] >= 3 / 50 - 0.01  # two free, then one every 20 ms
-    strict = RateLimiter(1)
+    now = [100.0]
+    strict = RateLimiter(1, clock=lambda: now[0])
     strict.acquire_sync()
-    with pytest.raises(RateLimited):
-        strict.acquire_sync(max_wait=0.5)  # refused without reserving: a later caller is not delayed
-    strict.acquire_sync(max_wait=1.0) if False else None
+    with pytest.raises(RateLimited) as raised:
+        strict.acquire_sync(max_wait=0.5)
+    assert raised.value.wait == 1.0
+    now[0] = 101.0
+    strict.acquire_sync(max_wait=0)  # the refusal reserved nothing, so the slot at 101 is free
 
 
 # -- secrets stay secret --------------------------------------------------------------------
