@@ -17,10 +17,11 @@ from typing import Any
 
 from sqlalchemy import create_engine
 from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import DBAPIError
 
 from outbox import ConfigurationError
 
-__all__ = ["CHANNEL", "Listener", "make_engine", "supports_listen"]
+__all__ = ["CHANNEL", "Listener", "LoopConnection", "make_engine", "supports_listen"]
 
 CHANNEL = "outbox"
 
@@ -48,7 +49,7 @@ def supports_listen(engine: Engine) -> bool:
     return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
 
 
-def _connect_kwargs(engine: Engine) -> dict[str, Any]:
+def _connect_kwargs(engine: Engine, application_name: str) -> dict[str, Any]:
     _, params = engine.dialect.create_connect_args(engine.url)
     kwargs = dict(params)
     # Keep-alives make the kernel notice a dead peer on an idle LISTEN socket.
@@ -57,8 +58,49 @@ def _connect_kwargs(engine: Engine) -> dict[str, Any]:
     kwargs.setdefault("keepalives_interval", 10)
     kwargs.setdefault("keepalives_count", 3)
     kwargs.setdefault("connect_timeout", 10)
-    kwargs.setdefault("application_name", "outbox-relay listen")
+    kwargs.setdefault("application_name", application_name)
     return kwargs
+
+
+class LoopConnection:
+    """An autocommit psycopg connection used from the event loop itself, for claims.
+
+    A claim through the thread pool and SQLAlchemy's pool costs two thread hops
+    and SQLAlchemy's execution machinery on every wake-up, more than the claim's
+    own round trip; the claim is on the commit-to-handler path, so it runs here.
+    A failed statement drops the connection (the next use opens a new one) and
+    is raised as SQLAlchemy's ``DBAPIError``, so the worker handles one family
+    of database errors whichever connection failed.
+    """
+
+    def __init__(self, engine: Engine, application_name: str = "outbox-relay claim") -> None:
+        self._kwargs = _connect_kwargs(engine, application_name)
+        self._conn: Any = None
+
+    async def fetch(self, sql: str, params: dict[str, Any]) -> list[Any]:
+        """Rows of one statement, with attribute access like SQLAlchemy's rows."""
+        import psycopg
+        from psycopg.rows import namedtuple_row
+
+        try:
+            if self._conn is None:
+                self._conn = await psycopg.AsyncConnection.connect(
+                    autocommit=True, row_factory=namedtuple_row, **self._kwargs
+                )
+            cursor = await self._conn.execute(sql, params)
+            rows: list[Any] = await cursor.fetchall()
+            return rows
+        except psycopg.Error as exc:
+            await self.close()
+            raise DBAPIError.instance(sql, None, exc, psycopg.Error, hide_parameters=True) from None
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                await conn.close()
+            except Exception:  # closing a broken connection: nothing left to save
+                pass
 
 
 class Listener:
@@ -73,7 +115,7 @@ class Listener:
         check_interval: float = 10.0,
         max_backoff: float = 30.0,
     ) -> None:
-        self._kwargs = _connect_kwargs(engine)
+        self._kwargs = _connect_kwargs(engine, "outbox-relay listen")
         self._on_notify = on_notify
         self._on_listening = on_listening
         self._check_interval = check_interval

@@ -43,6 +43,7 @@ from sqlalchemy.engine import Engine
 from outbox import Backoff, outbox_attempt, outbox_message
 
 from . import sql_postgresql as pg
+from .db import LoopConnection
 
 __all__ = ["Completion", "GroupPolicy", "Store"]
 
@@ -159,13 +160,7 @@ class Store:
         if limit <= 0 or not handlers:
             return []
         if self.fast:
-            params = {
-                "me": self.relay_id,
-                "lease": self.lease.total_seconds(),
-                "queue": queue,
-                "handlers": list(handlers),
-                "limit": limit,
-            }
+            params = self._claim_params(queue, handlers, limit)
             with self._autocommit.connect() as conn:
                 fast_rows = list(conn.exec_driver_sql(self._claim_sql, params))
             fast_rows.sort(key=lambda r: (r.priority, r.id))
@@ -198,6 +193,25 @@ class Store:
         )
         with self.engine.begin() as conn:
             rows = list(conn.execute(claim, {"lease": self._bind_later(self.lease)}))
+        rows.sort(key=lambda r: (r.priority, r.id))
+        return rows
+
+    def _claim_params(self, queue: str, handlers: Sequence[str], limit: int) -> dict[str, Any]:
+        return {
+            "me": self.relay_id,
+            "lease": self.lease.total_seconds(),
+            "queue": queue,
+            "handlers": list(handlers),
+            "limit": limit,
+        }
+
+    async def claim_on(
+        self, conn: LoopConnection, queue: str, handlers: Sequence[str], limit: int
+    ) -> list[Any]:
+        """:meth:`claim` over the event loop's own connection (PostgreSQL with psycopg only)."""
+        if limit <= 0 or not handlers:
+            return []
+        rows = await conn.fetch(self._claim_sql, self._claim_params(queue, handlers, limit))
         rows.sort(key=lambda r: (r.priority, r.id))
         return rows
 

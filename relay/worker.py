@@ -36,7 +36,7 @@ from outbox import ConfigurationError, Message, Outbox, OutboxError, outbox_mess
 from outbox._redact import Redactor
 from outbox._routes import check_name
 
-from .db import Listener, make_engine, supports_listen
+from .db import Listener, LoopConnection, make_engine, supports_listen
 from .dispatch import attempt, secrets_of
 from .metrics import RelayMetrics
 from .store import Completion, GroupPolicy, Store, utcnow
@@ -207,6 +207,7 @@ class Relay:
         self._known_queues: set[str] = {r.queue for r in self.outbox.routes}
         self._next_discovery = 0.0
         self._db_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="outbox-db")
+        self._claimer = LoopConnection(self.engine) if self.store.fast else None
         self._handler_pool = DaemonPool(self.concurrency + 2)
         self._result = DrainResult()
         self._background: list[asyncio.Task[Any]] = []
@@ -252,6 +253,10 @@ class Relay:
                     self._redactor.text(str(exc)),
                     extra={"action": "handler_shutdown", "handler": route.name},
                 )
+
+    async def _close_claimer(self) -> None:
+        if self._claimer is not None:
+            await self._claimer.close()
 
     def _close(self) -> None:
         self._db_pool.shutdown(wait=True)
@@ -326,6 +331,7 @@ class Relay:
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
             await self._shutdown_handlers()
+            await self._close_claimer()
             if self.metrics is not None:
                 self.metrics.up.set(0)
             if install_signal_handlers:
@@ -421,7 +427,10 @@ class Relay:
                 self._saturated = True
                 continue
             limit = min(self.batch_size, free)
-            rows = await self._db(self.store.claim, queue, self._handlers, limit)
+            if self._claimer is not None:
+                rows = await self.store.claim_on(self._claimer, queue, self._handlers, limit)
+            else:
+                rows = await self._db(self.store.claim, queue, self._handlers, limit)
             if rows:
                 claimed += len(rows)
                 self._dispatch(queue, rows)
@@ -730,5 +739,6 @@ class Relay:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await self._shutdown_handlers()
+            await self._close_claimer()
             self._close()
         return self._result
