@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 
 from outbox._tables import NAMING_CONVENTION
-from outbox._types import JSONDocument, UTCDateTime
+from outbox._types import JSONDocument, RowId, UTCDateTime
 
 __all__ = ["RUN_STATUSES", "report_metadata", "outbox_report_chunk", "outbox_report_run"]
 
@@ -44,8 +44,9 @@ outbox_report_run = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("finished_at", UTCDateTime),
     Column("location", Text),
-    # The chunk message that won the right to assemble; its own retries may redo it.
-    Column("assembled_by", Integer),
+    # The chunk message (an outbox_message.id, so a bigint) that won the right to
+    # assemble; its own retries may redo it. Integer before migration outbox_0004.
+    Column("assembled_by", RowId),
     Column("error", Text),
     CheckConstraint("status IN ('running', 'assembling', 'complete', 'failed')", name="status"),
     CheckConstraint("done_chunks <= total_chunks", name="progress"),
