@@ -45,7 +45,7 @@ from outbox import Backoff, outbox_attempt, outbox_message
 from . import sql_postgresql as pg
 from .db import LoopConnection
 
-__all__ = ["Completion", "GroupPolicy", "Store"]
+__all__ = ["Completion", "GroupPolicy", "Recovered", "Store"]
 
 GroupPolicy = Literal["block", "skip"]
 
@@ -88,6 +88,16 @@ class Completion:
     detail: dict[str, Any] | None = field(default=None)
     #: a deferral that must not use up an attempt (an open circuit breaker, say)
     refund: bool = False
+
+
+@dataclass(slots=True)
+class Recovered:
+    """A message taken back from a relay whose lease expired."""
+
+    row: Any  # the claimed columns, plus locked_by, locked_until and updated_at
+    dead: bool
+    retry_in: float
+    reason: str
 
 
 def utcnow() -> datetime:
@@ -268,24 +278,17 @@ class Store:
 
     def recover_expired(
         self, backoffs: dict[str, Backoff], rng: random.Random, limit: int = 500
-    ) -> list[Any]:
+    ) -> list[Recovered]:
         """Take back messages whose relay stopped renewing its lease (it crashed or hung).
 
         Each recovery appends a ``lease_expired`` attempt naming the relay that
         held it; the message is retried with its route's backoff, or goes dead
-        if that was its last attempt. Returns the recovered rows.
+        if that was its last attempt. Returns what was recovered, with the
+        message's columns, so the relay can announce each retry or death.
         """
         now = self._now()
         expired = (
-            select(
-                m.c.id,
-                m.c.handler,
-                m.c.attempts,
-                m.c.max_attempts,
-                m.c.locked_by,
-                m.c.locked_until,
-                m.c.updated_at,
-            )
+            select(*_CLAIMED, m.c.locked_by, m.c.locked_until, m.c.updated_at)
             .where(m.c.status == "running", m.c.locked_until < now)
             .order_by(m.c.locked_until)
             .limit(limit)
@@ -296,19 +299,38 @@ class Store:
             if not rows:
                 return []
             finished = utcnow()
-            retry = []
-            dead = []
+            # Expiry is checked again, row by row: where FOR UPDATE is ignored (SQLite), a lease
+            # renewed between the SELECT and here stays with its relay and leaves no history.
+            base = update(m).where(
+                m.c.id == bindparam("mid"), m.c.status == "running", m.c.locked_until < now
+            )
+            to_retry = base.values(
+                status="pending",
+                locked_by=None,
+                locked_until=None,
+                available_at=self._later("later"),
+                last_error=bindparam("err"),
+                updated_at=now,
+            )
+            to_dead = base.values(
+                status="dead", locked_by=None, locked_until=None, last_error=bindparam("err"), updated_at=now
+            )
             history = []
+            recovered = []
             for row in rows:
                 reason = f"lease held by relay {row.locked_by} expired at {row.locked_until.isoformat()}"
                 last = row.attempts >= row.max_attempts
                 backoff = backoffs.get(row.handler)
                 delay = backoff.delay(max(row.attempts, 1), rng) if backoff and not last else 0.0
-                params = {"mid": row.id, "err": reason}
+                params: dict[str, Any] = {"mid": row.id, "err": reason}
                 if last:
-                    dead.append(params)
+                    taken = conn.execute(to_dead, params).rowcount
                 else:
-                    retry.append({**params, "later": self._bind_later(timedelta(seconds=delay))})
+                    params["later"] = self._bind_later(timedelta(seconds=delay))
+                    taken = conn.execute(to_retry, params).rowcount
+                if not taken:
+                    continue
+                recovered.append(Recovered(row, dead=last, retry_in=delay, reason=reason))
                 history.append(
                     {
                         "message_id": row.id,
@@ -323,32 +345,9 @@ class Store:
                         "detail": {"recovered_by": self.relay_id, "dead": last, "retry_in": round(delay, 3)},
                     }
                 )
-            base = update(m).where(m.c.id == bindparam("mid"), m.c.status == "running")
-            if retry:
-                conn.execute(
-                    base.values(
-                        status="pending",
-                        locked_by=None,
-                        locked_until=None,
-                        available_at=self._later("later"),
-                        last_error=bindparam("err"),
-                        updated_at=now,
-                    ),
-                    retry,
-                )
-            if dead:
-                conn.execute(
-                    base.values(
-                        status="dead",
-                        locked_by=None,
-                        locked_until=None,
-                        last_error=bindparam("err"),
-                        updated_at=now,
-                    ),
-                    dead,
-                )
-            conn.execute(insert(a), history)
-        return rows
+            if history:
+                conn.execute(insert(a), history)
+        return recovered
 
     # -- outcomes -----------------------------------------------------------------
 

@@ -48,6 +48,9 @@ log = logging.getLogger("outbox.relay")
 
 T = TypeVar("T")
 
+#: Seconds between warnings about pending rows for routes this relay has no handler for.
+_UNKNOWN_REPORT_EVERY = 300.0
+
 
 class DatabaseUnavailable(OutboxError):
     """The relay could not reach its database, or the outbox tables are missing, at start-up."""
@@ -151,6 +154,8 @@ class Relay:
         self._rng = random.Random(seed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._stop_lock = threading.Lock()
+        self._early_stop: bool | None = None  # a stop() that came before the loop ran
         self.listener: Listener | None = None
         self.metrics = metrics
         self.metrics_interval: float = _positive("metrics_interval", metrics_interval)
@@ -180,9 +185,12 @@ class Relay:
         period. Not graceful (or a second call): cancel in-flight work now.
         Either way claimed-but-unstarted messages are released untouched.
         """
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
+        with self._stop_lock:
+            loop = self._loop
+            if loop is None or loop.is_closed():
+                # Not serving yet (a thread just started run()): the stop waits for the loop.
+                self._early_stop = graceful if self._early_stop is None else self._early_stop and graceful
+                return
         try:
             loop.call_soon_threadsafe(self._request_stop, graceful)
         except RuntimeError:  # the loop closed between the check and the call
@@ -191,13 +199,13 @@ class Relay:
     # -- lifecycle ---------------------------------------------------------------------
 
     def _open(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._thread = threading.current_thread()
         self._wake = asyncio.Event()
         self._force = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._stopping = False
-        self._inflight: dict[int, asyncio.Task[None]] = {}
+        # Keyed by (id, attempt): a message this relay lost and claimed again runs twice for a while.
+        self._inflight: dict[tuple[int, int], asyncio.Task[None]] = {}
         self._by_queue: Counter[str] = Counter()
         self._unstarted: list[int] = []
         self._buffer: list[tuple[Message, Completion]] = []
@@ -211,6 +219,12 @@ class Relay:
         self._handler_pool = DaemonPool(self.concurrency + 2)
         self._result = DrainResult()
         self._background: list[asyncio.Task[Any]] = []
+        self._next_unknown_report = 0.0
+        with self._stop_lock:
+            self._loop = asyncio.get_running_loop()
+            early, self._early_stop = self._early_stop, None
+        if early is not None:
+            self._request_stop(early)
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         assert self._loop is not None
@@ -263,7 +277,8 @@ class Relay:
         self._handler_pool.shutdown(wait=False)
         if self._owns_engine:
             self.engine.dispose()
-        self._loop = None
+        with self._stop_lock:
+            self._loop = None
 
     def _request_stop(self, graceful: bool) -> None:
         if self._stopping or not graceful:
@@ -294,6 +309,7 @@ class Relay:
     async def serve(self, *, install_signal_handlers: bool = False) -> None:
         """The relay's main loop as a coroutine, for applications that run their own event loop."""
         self._open()
+        started = False
         try:
             await self._check_database()
             if install_signal_handlers:
@@ -322,7 +338,7 @@ class Relay:
                 extra={"action": "start", "relay_id": self.id},
             )
             signals.relay_started.send(self.outbox, relay=self)
-            await self._report_unknown_handlers()
+            started = True
             await self._serve_loop()
             await self._shutdown()
         finally:
@@ -337,8 +353,9 @@ class Relay:
             if install_signal_handlers:
                 self._remove_signals()
             self._close()
-        log.info("relay %s stopped", self.id, extra={"action": "stopped", "relay_id": self.id})
-        signals.relay_stopped.send(self.outbox, relay=self)
+            if started:  # also when serving failed: whoever saw it start must see it stop
+                log.info("relay %s stopped", self.id, extra={"action": "stopped", "relay_id": self.id})
+                signals.relay_stopped.send(self.outbox, relay=self)
 
     async def _serve_loop(self) -> None:
         failures = 0
@@ -377,6 +394,8 @@ class Relay:
             pass
 
     async def _report_unknown_handlers(self) -> None:
+        """Rows for routes this relay lacks stay pending (a rolling deploy must not kill them): say so."""
+        self._next_unknown_report = time.monotonic() + _UNKNOWN_REPORT_EVERY
         try:
             unknown = await self._db(self.store.waiting_for_unknown_handlers, self._handlers)
         except SQLAlchemyError:
@@ -454,7 +473,7 @@ class Relay:
         for row in rows:
             self._by_queue[queue] += 1
             task = asyncio.create_task(self._deliver(queue, row), name=f"outbox-message-{row.id}")
-            self._inflight[row.id] = task
+            self._inflight[row.id, row.attempts] = task
 
     async def _deliver(self, queue: str, row: Any) -> None:
         try:
@@ -471,24 +490,30 @@ class Relay:
             self._buffer.append((message, completion))
             self._buffered.set()
         finally:
-            self._inflight.pop(row.id, None)
+            self._inflight.pop((row.id, row.attempts), None)
             self._by_queue[queue] -= 1
             if self._saturated:
                 self._wake.set()
 
     def _cancelled(self, row: Any) -> tuple[Message, Completion]:
+        """A delivery cut off by a forced stop: it counts, like any attempt that may have taken effect.
+
+        On its last attempt the message goes dead, as a lease recovery would make it.
+        """
         from .dispatch import to_message
 
         now = utcnow()
+        last = row.attempts >= row.max_attempts
         return to_message(row), Completion(
             message_id=row.id,
             attempt=row.attempts,
-            outcome="failed",
-            status="pending",
+            outcome="dead" if last else "failed",
+            status="dead" if last else "pending",
             started_at=now,
             finished_at=now,
             error_type="Cancelled",
             error="the relay stopped before the handler finished; it may or may not have taken effect",
+            detail={"exhausted": True, "last_outcome": "failed"} if last else None,
         )
 
     # -- writing outcomes ------------------------------------------------------------------
@@ -607,7 +632,13 @@ class Relay:
         while True:
             await asyncio.sleep(period)
             # Finished but not yet recorded still counts: the lease must outlive the write.
-            ids = list({*self._inflight, *(c.message_id for _, c in self._buffer)})
+            ids = list(
+                {
+                    *(message_id for message_id, _ in self._inflight),
+                    *(c.message_id for _, c in self._buffer),
+                    *self._unstarted,
+                }
+            )
             if not ids:
                 continue
             try:
@@ -624,18 +655,34 @@ class Relay:
                 )
 
     async def _recover_once(self) -> int:
-        rows = await self._db(self.store.recover_expired, self._backoffs, self._rng)
-        for row in rows:
+        from .dispatch import to_message
+
+        recovered = await self._db(self.store.recover_expired, self._backoffs, self._rng)
+        for item in recovered:
+            row = item.row
             log.warning(
-                "recovered message #%d from relay %s whose lease expired",
+                "recovered message #%d from relay %s whose lease expired%s",
                 row.id,
                 row.locked_by,
+                "; it was its last attempt: dead" if item.dead else "",
                 extra={"action": "lease_expired", "message_id": row.id, "handler": row.handler},
             )
-        self._result.recovered += len(rows)
-        if rows:
+            message = to_message(row)
+            if item.dead:
+                signals.message_dead.send(self.outbox, relay=self, message=message, error=item.reason)
+            else:
+                signals.retry_scheduled.send(
+                    self.outbox,
+                    relay=self,
+                    message=message,
+                    outcome="lease_expired",
+                    delay=item.retry_in,
+                    error=item.reason,
+                )
+        self._result.recovered += len(recovered)
+        if recovered:
             self._wake.set()
-        return len(rows)
+        return len(recovered)
 
     async def _recoverer(self) -> None:
         period = min(max(self.lease / 2, 0.1), 10.0)
@@ -644,6 +691,8 @@ class Relay:
                 await self._recover_once()
             except SQLAlchemyError as exc:
                 log.warning("lease recovery failed (%s)", _first_line(exc), extra={"action": "db_error"})
+            if time.monotonic() >= self._next_unknown_report:
+                await self._report_unknown_handlers()
             await asyncio.sleep(period)
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -652,6 +701,10 @@ class Relay:
         for task in self._background:
             if task.get_name() in ("outbox-listen", "outbox-recoverer"):
                 task.cancel()
+        # Deliveries claimed in the same round as the stop find it when they first run; hand
+        # them back now, not after the grace period, so another relay can take them at once.
+        await asyncio.sleep(0)
+        await self._release_unstarted(raise_errors=False)
         inflight = list(self._inflight.values())
         if inflight:
             log.info(
@@ -678,14 +731,24 @@ class Relay:
                 )
         await self._final_writes()
 
+    async def _release_unstarted(self, *, raise_errors: bool = True) -> None:
+        """Hand back claimed messages whose delivery never began: no attempt, no history."""
+        if not self._unstarted:
+            return
+        try:
+            released = await self._db(self.store.release, self._unstarted)
+        except SQLAlchemyError:
+            if raise_errors:
+                raise
+            return  # kept in _unstarted (their leases renewed) for the final writes to retry
+        log.info("released %d unstarted message(s)", released, extra={"action": "release"})
+        self._unstarted = []
+
     async def _final_writes(self) -> None:
         deadline = time.monotonic() + max(5.0, min(self.grace_period, 30.0))
         while True:
             try:
-                if self._unstarted:
-                    released = await self._db(self.store.release, self._unstarted)
-                    log.info("released %d unstarted message(s)", released, extra={"action": "release"})
-                    self._unstarted = []
+                await self._release_unstarted()
                 await self._write_pending()
                 return
             except SQLAlchemyError as exc:
@@ -721,6 +784,7 @@ class Relay:
         self._open()
         try:
             await self._check_database()
+            await self._report_unknown_handlers()
             await self._recover_once()
             self._background = [asyncio.create_task(self._heartbeat(), name="outbox-heartbeat")]
             while True:
@@ -738,7 +802,25 @@ class Relay:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            await self._save_what_is_left()
             await self._shutdown_handlers()
             await self._close_claimer()
             self._close()
         return self._result
+
+    async def _save_what_is_left(self) -> None:
+        """After an interrupted drain: record cancelled attempts, hand back unstarted claims.
+
+        One try only: if the database is what failed, the leases expire and the
+        messages are recovered as usual.
+        """
+        try:
+            await self._release_unstarted()
+            await self._write_pending()
+        except Exception as exc:
+            log.warning(
+                "could not record %d outcome(s) of the interrupted drain (%s); their leases will expire",
+                len(self._buffer) + len(self._unstarted),
+                _first_line(exc),
+                extra={"action": "db_error", "relay_id": self.id},
+            )
