@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from . import ops
+from ._argparse import OneLineParser
 from ._migrations import BRANCH, upgrade
 
 __all__ = ["main"]
@@ -105,7 +106,7 @@ def _filter(args: argparse.Namespace, ids: Sequence[int] = ()) -> ops.MessageFil
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Maintain and audit the outbox tables.")
+    parser = OneLineParser(prog=PROG, description="Maintain and audit the outbox tables.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     migrate = commands.add_parser(

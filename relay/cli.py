@@ -4,8 +4,9 @@ Every flag has an ``OUTBOX_*`` environment variable (``--database-url`` reads
 ``OUTBOX_DATABASE_URL``, ``--queue`` reads a comma-separated ``OUTBOX_QUEUES``).
 
 Exit codes: 0 stopped cleanly (or ``--once`` drained), 1 the database could not
-be reached or the tables are missing, 2 bad usage or an ``--app`` that cannot be
-loaded. User mistakes get one line on stderr, never a traceback.
+be reached or the tables are missing (or failed during ``--once``), 2 bad usage
+or an ``--app`` that cannot be loaded, 130 ``--once`` interrupted by Ctrl-C.
+User mistakes get one line on stderr, never a traceback.
 
 Signals: the first SIGTERM or SIGINT stops claiming and lets in-flight
 deliveries finish within ``--grace-period``; a second one cancels them. In a
@@ -23,9 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from outbox import ConfigurationError, Outbox
+from outbox._argparse import OneLineParser
 
 from .logs import configure
 from .metrics import RelayMetrics
@@ -55,8 +57,16 @@ def _number(kind: Callable[[str], Any], low: float, inclusive: bool = False) -> 
     return parse
 
 
+def _queue_limit(value: str) -> tuple[str, int]:
+    name, sep, number = value.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected QUEUE=N, got {value!r}")
+    limit = _number(int, 1, inclusive=True)(number.strip())
+    return name.strip(), int(limit)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=PROG,
         description="Deliver committed outbox messages to the handlers an Outbox routes them to.",
     )
@@ -81,6 +91,17 @@ def _parser() -> argparse.ArgumentParser:
         default=_env("CONCURRENCY") or 10,
         help="deliveries at once (default: 10)",
     )
+    limits = _env("QUEUE_CONCURRENCY")
+    p.add_argument(
+        "--queue-concurrency",
+        action="append",
+        type=_queue_limit,
+        default=None,
+        metavar="QUEUE=N",
+        help="at most N deliveries of QUEUE at once, within --concurrency; repeatable "
+        "(e.g. reports=2, so bulk work never takes every slot; $OUTBOX_QUEUE_CONCURRENCY, comma-separated)",
+    )
+    p.set_defaults(env_queue_concurrency=limits)
     p.add_argument(
         "--batch-size",
         type=_number(int, 1, inclusive=True),
@@ -184,6 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         make_url(args.database_url)
     except ArgumentError:
         parser.error(f"--database-url {args.database_url!r} is not a SQLAlchemy database URL")
+    queue_limits = args.queue_concurrency
+    if queue_limits is None and args.env_queue_concurrency:
+        try:
+            queue_limits = [_queue_limit(v) for v in args.env_queue_concurrency.split(",") if v.strip()]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"OUTBOX_QUEUE_CONCURRENCY: {exc}")
     configure(args.log_level, args.log_format)
     metrics = None
     try:
@@ -199,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.database_url,
             queues=args.queues or args.env_queues,
             concurrency=int(args.concurrency),
+            queue_concurrency=dict(queue_limits or ()),
             batch_size=None if args.batch_size is None else int(args.batch_size),
             poll_interval=float(args.poll_interval),
             lease=float(args.lease),
@@ -236,6 +264,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DatabaseUnavailable as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+    except SQLAlchemyError as exc:  # --once: a drain reports database errors instead of retrying
+        text = str(getattr(exc, "orig", None) or exc).strip()
+        reason = text.splitlines()[0] if text else type(exc).__name__
+        print(f"{PROG}: database error: {reason}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # --once only: run() handles SIGINT itself
+        print(f"{PROG}: interrupted; unfinished messages were handed back (or return when their lease ends)",
+              file=sys.stderr)
+        return 130
     finally:
         if metrics is not None:
             metrics.close()
