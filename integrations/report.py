@@ -5,19 +5,31 @@ per chunk, all in the caller's transaction: either the run and every chunk
 exist, or none do. Each chunk writes its own part file (overwriting on a
 retry, so re-running a chunk never duplicates rows) and records itself; the
 chunk that completes the set wins a conditional update and assembles the CSV.
-Reports default to a low-priority ``reports`` queue so they never delay mail.
+
+Chunks page by ``offset``/``limit`` fixed at ``start()``, so ``rows()`` must
+return the same, explicitly ordered set every time it is called (order by a
+unique key, bound the set by a high-water mark taken at start); otherwise rows
+inserted or deleted meanwhile shift the pages and rows are duplicated or lost.
+
+Chunks go to the ``reports`` queue, but a queue is not a reservation: a relay
+serving every queue gives report chunks every free slot. A relay that serves
+reports and urgent mail must cap the queue (``queue_concurrency={"reports": 2}``)
+or leave reports to relays of their own (``--queue reports``).
 
 ::
 
     signups = ReportJob(
         ob, "signups", engine=engine, output_dir="reports",
         header=["id", "email"],
-        count=lambda s, params: s.scalar(select(func.count()).select_from(User)),
+        count=lambda s, params: s.scalar(
+            select(func.count()).select_from(User).where(User.id <= params["max_id"])),
         rows=lambda s, params, offset, limit: s.execute(
-            select(User.id, User.email).order_by(User.id).offset(offset).limit(limit)),
+            select(User.id, User.email).where(User.id <= params["max_id"])
+            .order_by(User.id).offset(offset).limit(limit)),
     )
     with Session(engine) as s, s.begin():
-        run_id = signups.start(s, {"since": "2026-01-01"})
+        max_id = s.scalar(select(func.max(User.id))) or 0
+        run_id = signups.start(s, {"max_id": max_id})
 """
 
 from __future__ import annotations
@@ -82,7 +94,22 @@ def _utcnow() -> datetime:
 
 
 class ReportJob:
-    """One kind of report: how to count and fetch its rows, where its CSV goes, how it is routed."""
+    """One kind of report: how to count and fetch its rows, where its CSV goes, how it is routed.
+
+    ``count(session, params)`` is called once, by ``start()``, to size the
+    chunks; ``rows(session, params, offset, limit)`` once per chunk attempt, in
+    a fresh session on the relay. Both must see the same stable, explicitly
+    ordered set, because chunk boundaries are offsets fixed at start (see the
+    module docstring); a chunk that gets a different number of rows than the
+    count promised logs ``action=report_rows_shifted``.
+
+    Chunks are routed to ``queue`` (default ``reports``) at ``priority``
+    (default 100). Priority orders messages only within one queue, so these
+    defaults alone do not keep reports from taking every relay slot: cap the
+    queue with ``Relay(..., queue_concurrency={"reports": 2})`` (CLI
+    ``--queue-concurrency reports=2``) or serve it with its own relay
+    (``--queue reports``), so mail always finds a free slot.
+    """
 
     def __init__(
         self,
@@ -144,14 +171,16 @@ class ReportJob:
             )
         )
         for chunk in range(chunks):
+            offset = chunk * self.chunk_size
             emit(
                 session,
                 self.event_type,
                 {
                     "run_id": run_id,
                     "chunk": chunk,
-                    "offset": chunk * self.chunk_size,
+                    "offset": offset,
                     "limit": self.chunk_size,
+                    "expected": max(0, min(self.chunk_size, total_rows - offset)),
                 },
                 key=f"report:{run_id}:{chunk}",
             )
@@ -182,6 +211,20 @@ class ReportJob:
         self._write_part(run_id, chunk, fetched)
         done = self._record_chunk(run_id, chunk, len(fetched))
         detail: dict[str, Any] = {"run_id": run_id, "chunk": chunk, "rows": len(fetched), "done": done}
+        expected = payload.get("expected")  # absent in chunks emitted before it existed
+        if isinstance(expected, int) and expected != len(fetched):
+            # Offsets were fixed at start: a changed row set means rows duplicated or lost.
+            detail["expected_rows"] = expected
+            log.warning(
+                "report %s run %s chunk %d got %d rows where count() promised %d: the row set "
+                "changed since start(), so the report may duplicate or miss rows",
+                self.name,
+                run_id,
+                chunk,
+                len(fetched),
+                expected,
+                extra={"action": "report_rows_shifted", "message_id": message.id},
+            )
         if done == run.total_chunks and self._claim_assembly(run_id, message.id):
             detail["location"] = self._assemble(run_id, run.total_chunks)
         return detail

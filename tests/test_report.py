@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import csv
+import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Integer, String, func, insert, select
+from sqlalchemy import Integer, String, delete, func, insert, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import outbox
-from outbox import Backoff, ConfigurationError, Outbox
-from outbox.integrations.report import ReportJob, outbox_report_chunk, outbox_report_run
+from outbox import Backoff, ConfigurationError, Message, Outbox, emit
+from outbox.integrations.report import ReportJob, ReportProgress, outbox_report_chunk, outbox_report_run
 from outbox.relay import Relay
 
 
@@ -37,11 +39,20 @@ def sales(engine: Engine) -> Engine:
     return engine
 
 
-def make_job(ob: Outbox, engine: Engine, folder: Path, fail: dict[int, int] | None = None) -> ReportJob:
+def make_job(
+    ob: Outbox,
+    engine: Engine,
+    folder: Path,
+    fail: dict[int, int] | None = None,
+    before_fetch: Callable[[int], None] | None = None,
+) -> ReportJob:
+    """The sales report; ``fail`` makes chunks raise, ``before_fetch(chunk)`` runs first in each rows()."""
     fail = fail if fail is not None else {}
 
     def rows(session: Session, params: dict[str, Any], offset: int, limit: int):
         chunk = offset // limit
+        if before_fetch is not None:
+            before_fetch(chunk)
         if fail.get(chunk, 0) > 0:
             fail[chunk] -= 1
             raise ConnectionError(f"warehouse unavailable for chunk {chunk}")
@@ -62,19 +73,29 @@ def make_job(ob: Outbox, engine: Engine, folder: Path, fail: dict[int, int] | No
 def test_report_of_10000_rows_in_20_chunks_with_a_flaky_chunk(sales, tmp_path):
     engine = sales
     ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
-    job = make_job(ob, engine, tmp_path, fail={7: 2})
+    progress: list[ReportProgress] = []
+    sampling = threading.Lock()
+    run: list[str] = []
+
+    def sample() -> None:
+        # Under one lock, so the list's order is the order the database was read in.
+        with sampling:
+            progress.append(job.progress(run[0]))
+
+    # Chunks also sample as they start: from the fifth on, each is claimed only after an earlier
+    # chunk recorded itself, so progress is guaranteed to be seen part-way, not only at the ends.
+    job = make_job(ob, engine, tmp_path, fail={7: 2}, before_fetch=lambda chunk: sample())
     factory = sessionmaker(engine)
     ob.install(factory)
     with factory() as s, s.begin():
         run_id = job.start(s, {"region": "all"})
+    run.append(run_id)
 
-    progress: list[tuple[int, int, str]] = []
     stop = threading.Event()
 
     def watch() -> None:  # progress must be consistent at every moment a UI could look
         while not stop.is_set():
-            p = job.progress(run_id)
-            progress.append((p.done_chunks, p.row_count, p.status))
+            sample()
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch)
@@ -97,10 +118,21 @@ def test_report_of_10000_rows_in_20_chunks_with_a_flaky_chunk(sales, tmp_path):
     assert lines[0] == ["id", "region"]
     ids = [int(line[0]) for line in lines[1:]]
     assert ids == list(range(1, 10_001)), "rows missing, duplicated or out of order"
-    done_seen = [d for d, _, _ in progress]
+    progress.append(final)
+    done_seen = [p.done_chunks for p in progress]
     assert done_seen == sorted(done_seen), "progress went backwards"
-    assert all(0 <= d <= 20 and rows <= 10_000 for d, rows, _ in progress)
-    assert all(status != "complete" or d == 20 for d, _, status in progress)
+    rows_seen = [p.row_count for p in progress]
+    assert rows_seen == sorted(rows_seen), "row count went backwards"
+    assert all(0 <= p.done_chunks <= 20 and p.row_count <= 10_000 for p in progress)
+    # Every chunk holds exactly 500 rows, and a chunk's rows count the moment it counts as done.
+    assert all(p.row_count == 500 * p.done_chunks for p in progress), "rows and chunks disagree"
+    stages = [("running", "assembling", "complete").index(p.status) for p in progress]
+    assert stages == sorted(stages), "status went backwards"
+    assert all(p.status == "running" or p.done_chunks == 20 for p in progress)
+    assert all((p.status == "complete") == (p.location is not None) for p in progress)
+    assert all(p.status != "complete" or p.location == final.location for p in progress)
+    assert any(0 < p.done_chunks < 20 for p in progress), "no sample saw the report part-way"
+    assert all(p.total_chunks == 20 and p.error is None for p in progress)
     with engine.connect() as conn:
         attempts = conn.execute(
             select(outbox.outbox_attempt.c.outcome, func.count()).group_by(outbox.outbox_attempt.c.outcome)
@@ -146,6 +178,182 @@ def test_rerunning_a_finished_chunk_changes_nothing(sales, tmp_path):
     assert Path(done.location or "").read_bytes() == content
 
 
+def chunk_messages(engine: Engine) -> list[Any]:
+    m = outbox.outbox_message
+    with engine.connect() as conn:
+        return list(conn.execute(select(m).where(m.c.event_type == "report.sales.chunk").order_by(m.c.id)))
+
+
+def test_rerunning_a_chunk_while_its_run_is_running_overwrites_its_own_part(sales, tmp_path):
+    engine = sales
+    ob = Outbox()
+    job = make_job(ob, engine, tmp_path)
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    with factory() as s, s.begin():
+        run_id = job.start(s)
+    from outbox.relay.dispatch import to_message
+
+    chunk3 = to_message(chunk_messages(engine)[3])
+    # A first attempt recorded its part, then (say) the relay died before recording the outcome:
+    # the chunk runs again while the run is still running.
+    first = job(chunk3)
+    again = job(chunk3)
+    assert first == again == {"run_id": run_id, "chunk": 3, "rows": 500, "done": 1}
+    p = job.progress(run_id)
+    assert (p.status, p.done_chunks, p.row_count, p.location) == ("running", 1, 500, None)
+    with engine.connect() as conn:
+        recorded = conn.execute(select(outbox_report_chunk.c.chunk, outbox_report_chunk.c.row_count)).all()
+    assert [tuple(r) for r in recorded] == [(3, 500)]
+    parts = tmp_path / f"sales-{run_id}.parts"
+    assert sorted(f.name for f in parts.iterdir()) == ["part-000003.csv"], "a re-run leaves no extra files"
+    with (parts / "part-000003.csv").open(newline="") as f:
+        assert [int(line[0]) for line in csv.reader(f)] == list(range(1501, 2001))
+
+    # The relay still delivers chunk 3's message: a third run of the same chunk.
+    Relay(ob, engine).run_until_idle()
+    final = job.progress(run_id)
+    assert (final.status, final.done_chunks, final.row_count) == ("complete", 20, 10_000)
+    with Path(final.location or "").open(newline="") as f:
+        ids = [int(line[0]) for line in list(csv.reader(f))[1:]]
+    assert ids == list(range(1, 10_001)), "rows missing, duplicated or out of order"
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(outbox_report_chunk)).scalar() == 20
+
+
+def test_a_chunk_whose_row_set_shifted_since_start_says_so(sales, tmp_path, caplog):
+    engine = sales
+    ob = Outbox()
+    job = make_job(ob, engine, tmp_path)
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    with factory() as s, s.begin():
+        run_id = job.start(s)
+    with engine.begin() as conn:  # rows deleted after start: the last chunk's page comes back short
+        conn.execute(delete(Sale).where(Sale.id <= 10))
+    with caplog.at_level(logging.WARNING, logger="outbox.integrations.report"):
+        Relay(ob, engine).run_until_idle()
+    assert job.progress(run_id).row_count == 9_990
+    shifted = [r for r in caplog.records if getattr(r, "action", None) == "report_rows_shifted"]
+    assert len(shifted) == 1 and "chunk 19 got 490 rows where count() promised 500" in shifted[0].message
+    with engine.connect() as conn:
+        details = [d for (d,) in conn.execute(select(outbox.outbox_attempt.c.detail))]
+    assert [d["chunk"] for d in details if "expected_rows" in d] == [19]
+
+
+# -- capacity: report chunks must not take the slots urgent mail needs --------------------------------
+
+
+class Backlog:
+    """Report chunks that hold their relay slot until released, and a mail-like route beside them."""
+
+    def __init__(self, engine: Engine, folder: Path) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+        self.inside = 0
+        self.most_inside = 0
+        self.events: list[str] = []  # chunks returning from rows(), and the mail, in order
+        self.mailed = threading.Event()
+        self.ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+        self.job = make_job(self.ob, engine, folder, before_fetch=self._hold)
+        # "transactional" sorts after "reports": the alphabet gives mail no head start here.
+        self.ob.route("password.reset", self._send_mail, name="reset_mail", queue="transactional", priority=0)
+        self.factory = sessionmaker(engine)
+        self.ob.install(self.factory)
+
+    def _hold(self, chunk: int) -> None:
+        with self.lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        self.entered.release()
+        held = self.release.wait(60)
+        with self.lock:
+            self.inside -= 1
+            self.events.append(f"chunk {chunk}")
+        assert held, "the test never released the report chunks"
+
+    def _send_mail(self, message: Message) -> None:
+        with self.lock:
+            self.events.append("mail")
+        self.mailed.set()
+
+    def wait_until_chunks_hold(self, count: int) -> None:
+        for _ in range(count):
+            assert self.entered.acquire(timeout=30), "the relay did not start the report chunks"
+
+    def emit_mail(self) -> None:
+        with self.factory() as s, s.begin():
+            emit(s, "password.reset", {"to": "ada@example.com"}, key="reset:ada")
+
+    def wait_for_report(self, run_id: str) -> ReportProgress:
+        deadline = time.monotonic() + 60
+        while (p := self.job.progress(run_id)).status != "complete":
+            assert time.monotonic() < deadline, f"the report did not finish: {p}"
+            time.sleep(0.02)
+        return p
+
+
+def serving(relay: Relay) -> threading.Thread:
+    thread = threading.Thread(target=relay.run, name="relay")
+    thread.start()
+    return thread
+
+
+def test_a_capped_reports_queue_leaves_mail_a_slot_behind_a_backlog_of_slow_chunks(sales, tmp_path):
+    """The setting docs/reports.md recommends: mail is delivered while every report chunk still waits."""
+    backlog = Backlog(sales, tmp_path)
+    relay = Relay(backlog.ob, sales, concurrency=4, queue_concurrency={"reports": 2}, poll_interval=0.05)
+    thread = serving(relay)
+    try:
+        with backlog.factory() as s, s.begin():
+            run_id = backlog.job.start(s)
+        backlog.wait_until_chunks_hold(2)
+        backlog.emit_mail()
+        assert backlog.mailed.wait(30), "the mail was not delivered while the report chunks held"
+        with backlog.lock:
+            assert backlog.events == ["mail"], "the mail waited for report chunks"
+        assert backlog.job.progress(run_id).done_chunks == 0
+        m = outbox.outbox_message
+        with sales.connect() as conn:
+            waiting = conn.execute(
+                select(func.count()).where(m.c.queue == "reports", m.c.status.in_(("pending", "running")))
+            ).scalar()
+        assert waiting == 20, "the whole report backlog was still waiting when the mail went out"
+        backlog.release.set()
+        final = backlog.wait_for_report(run_id)
+    finally:
+        backlog.release.set()
+        relay.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert (final.done_chunks, final.row_count) == (20, 10_000)
+    assert backlog.most_inside == 2, "the cap let more report chunks run at once"
+    assert backlog.events[0] == "mail" and len(backlog.events) == 21
+
+
+def test_without_a_cap_report_chunks_take_every_slot_and_mail_waits(sales, tmp_path):
+    """Why the cap is needed: priority 100 on the reports queue does not keep a slot for mail."""
+    backlog = Backlog(sales, tmp_path)
+    relay = Relay(backlog.ob, sales, concurrency=4, poll_interval=0.05)
+    thread = serving(relay)
+    try:
+        with backlog.factory() as s, s.begin():
+            run_id = backlog.job.start(s)
+        backlog.wait_until_chunks_hold(4)
+        backlog.emit_mail()
+        backlog.release.set()
+        assert backlog.mailed.wait(30)
+        backlog.wait_for_report(run_id)
+    finally:
+        backlog.release.set()
+        relay.stop()
+        thread.join(30)
+    assert backlog.most_inside == 4
+    assert backlog.events.index("mail") >= 1, "mail went out while report chunks held every slot"
+
+
 def test_a_dead_chunk_fails_its_run(sales, tmp_path):
     engine = sales
     ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
@@ -177,4 +385,3 @@ def test_bad_report_configuration_fails_at_definition(engine, tmp_path):
             output_dir=tmp_path,
             chunk_size=0,
         )
-
