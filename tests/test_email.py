@@ -57,6 +57,7 @@ class Script:
     data_replies: list[str] = field(default_factory=list)
     rcpt_replies: dict[str, list[str]] = field(default_factory=dict)
     drop_next_data: bool = False
+    accept_then_drop_next_data: bool = False
     hang_next_data: float = 0.0
     received: list[Received] = field(default_factory=list)
     logins: list[str] = field(default_factory=list)
@@ -75,6 +76,14 @@ class Script:
             self.drop_next_data = False
             server.transport.close()
             return "421 closing"
+        if self.accept_then_drop_next_data:
+            # The server keeps the mail (queued for delivery), then the connection dies before
+            # its 250 reaches the client: the one case the sent-log cannot see.
+            self.accept_then_drop_next_data = False
+            parsed = email.message_from_bytes(envelope.content, policy=email.policy.default)
+            self.received.append(Received(time.monotonic(), list(envelope.rcpt_tos), parsed))  # type: ignore[arg-type]
+            server.transport.abort()
+            return "250 2.0.0 queued as Q0 (never seen by the client)"
         if self.hang_next_data:
             import asyncio
 
@@ -320,6 +329,36 @@ def test_connection_dropped_mid_data_is_retried_and_still_one_mail(engine, smtp)
     got = outcomes(engine)
     assert [o for o, _ in got] == ["retry", "delivered"]
     assert got[0][1]["smtp_stage"] == "data"
+    # Nothing was recorded for the dropped attempt; the retry's acceptance was.
+    with engine.connect() as conn:
+        [sent] = conn.execute(select(outbox_email_sent)).all()
+    assert sent.attempt == 2 and sent.message_id == smtp.script.received[0].mail["Message-ID"]
+
+
+def test_a_mail_accepted_whose_reply_was_lost_goes_twice_with_one_message_id(engine, smtp):
+    """The documented residual window: no 250 was seen, so the sent-log has nothing to refuse."""
+    smtp.script.accept_then_drop_next_data = True
+    ob, factory = setup(engine, smtp.port)  # with the sent-log
+    send(ob, factory, {"to": "a@example.com", "subject": "Reset", "text": "t"}, key="reset:ada")
+    drain_all(ob, engine)
+
+    first, second = smtp.script.received  # the server holds two copies of the one message
+    handler = ob.routes[0].handler
+    with engine.connect() as conn:
+        row = conn.execute(select(m)).one()
+        [sent] = conn.execute(select(outbox_email_sent)).all()
+    message_id = handler.message_id(a_message(id=row.id, event_id=row.event_id, key=row.idempotency_key))
+    assert first.mail["Message-ID"] == second.mail["Message-ID"] == message_id, "receivers can deduplicate"
+    got = outcomes(engine)
+    assert [o for o, _ in got] == ["retry", "delivered"]
+    assert got[0][1]["smtp_stage"] == "data" and "smtp_code" not in got[0][1]
+    # The sent-log records the acceptance the client saw: the second attempt's.
+    assert (sent.message_id, sent.outbox_message_id, sent.attempt) == (message_id, row.id, 2)
+    assert row.status == "delivered" and row.attempts == 2
+    # From that record on, the guarantee holds: a further attempt sends nothing.
+    again = handler(a_message(id=row.id, event_id=row.event_id, key=row.idempotency_key, attempt=3))
+    assert again["skipped"] == "already accepted by the server" and again["accepted_in_attempt"] == 2
+    assert len(smtp.script.received) == 2
 
 
 def test_refused_connections_and_timeouts_are_transient(smtp):
