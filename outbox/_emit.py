@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from . import signals
-from ._exceptions import InvalidEmitOption, UnroutedEvent
+from ._exceptions import ConfigurationError, InvalidEmitOption, UnroutedEvent
 from ._install import outbox_for
-from ._payload import check_headers, serialise_payload
+from ._payload import check_headers, serialise_payload, text_problem
 from ._pending import PendingEvent, events_of, innermost
-from ._routes import check_priority
+from ._routes import check_name, check_priority
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 __all__ = ["emit"]
 
 _KEY_LIMIT = 255
+#: Far enough for any reminder; beyond it timestamps overflow (year 9999) and rows become unreadable.
+MAX_DELAY = timedelta(days=3650)
 #: Events with an idempotency key get a deterministic id, so emitting the same
 #: key again returns the id of the event that is (or will be) stored.
 _KEYED_EVENT_NAMESPACE = uuid.UUID("6f1c2a52-3b7e-4e0e-9f0e-0a6f5d0c7b1e")
@@ -36,6 +38,9 @@ def _check_key(name: str, value: Any) -> str | None:
         raise InvalidEmitOption(f"{name} must not be empty; pass None for no {name}")
     if len(value) > _KEY_LIMIT:
         raise InvalidEmitOption(f"{name} must be at most {_KEY_LIMIT} characters, got {len(value)}")
+    problem = text_problem(value)
+    if problem:
+        raise InvalidEmitOption(f"{name} {problem}")
     return value
 
 
@@ -52,15 +57,20 @@ def _check_delay(delay: Any) -> timedelta:
         )
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidEmitOption(f"delay must be zero or more seconds, got {delay!r}")
+    if seconds > MAX_DELAY.total_seconds():
+        raise InvalidEmitOption(
+            f"delay must be at most {MAX_DELAY.days} days, got {delay!r}; schedule far-off work elsewhere"
+        )
     return timedelta(seconds=seconds)
 
 
 def _check_queue(queue: Any) -> str | None:
     if queue is None:
         return None
-    if not isinstance(queue, str) or not queue or queue != queue.strip() or len(queue) > 255:
-        raise InvalidEmitOption(f"queue must be a non-empty name without spaces, got {queue!r}")
-    return queue
+    try:  # the same rule as route and relay queue names, or a relay could never be told to serve it
+        return check_name("queue", queue)
+    except ConfigurationError as exc:
+        raise InvalidEmitOption(str(exc)) from None
 
 
 def _sync(session: Session | AsyncSession) -> Session:
@@ -107,7 +117,7 @@ def emit(
     if priority is not None:
         check_priority(priority, "priority", InvalidEmitOption)
     header_map = check_headers(headers)
-    serialise_payload(payload, outbox.payload_limit)
+    document = serialise_payload(payload, outbox.payload_limit)
 
     event_id = uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()
     aggregate_type = None
@@ -122,7 +132,7 @@ def emit(
             "handler": route.name,
             "queue": queue or route.queue,
             "priority": route.priority if priority is None else priority,
-            "payload": payload,
+            "payload": document,  # the checked JSON text, not the caller's (mutable) object
             "headers": header_map,
             "aggregate_type": aggregate_type,
             "aggregate_id": None,

@@ -9,7 +9,7 @@ from typing import Any
 
 from ._exceptions import InvalidEmitOption, PayloadError
 
-__all__ = ["DEFAULT_PAYLOAD_LIMIT", "check_headers", "serialise_payload"]
+__all__ = ["DEFAULT_PAYLOAD_LIMIT", "check_headers", "serialise_payload", "text_problem"]
 
 DEFAULT_PAYLOAD_LIMIT = 64 * 1024
 
@@ -58,8 +58,45 @@ def _find_unstorable(value: Any, parts: list[str]) -> str | None:
     return f"{_path(parts)} is a {type_name}, which is not JSON-serialisable{hint}"
 
 
+def _find_unencodable(value: Any, parts: list[str]) -> str | None:
+    """Say where a string holds what PostgreSQL cannot store: NUL, or a lone surrogate."""
+    if isinstance(value, str):
+        problem = text_problem(value)
+        return f"{_path(parts)} {problem}" if problem else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            parts.append(f"[{key!r}]")
+            problem = _find_unencodable(key, parts) or _find_unencodable(item, parts)
+            parts.pop()
+            if problem:
+                return problem
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            parts.append(f"[{index}]")
+            problem = _find_unencodable(item, parts)
+            parts.pop()
+            if problem:
+                return problem
+    return None
+
+
+def text_problem(value: str) -> str | None:
+    """Why a string cannot be stored in a text column (NUL, lone surrogate), or None."""
+    if "\x00" in value:
+        return "contains a NUL character (\\u0000), which PostgreSQL text and JSON reject"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "contains a lone surrogate, which is not valid UTF-8"
+    return None
+
+
 def serialise_payload(payload: Any, limit: int) -> str:
-    """Return the payload as compact JSON, or raise PayloadError saying what to fix."""
+    """Return the payload as compact JSON, or raise PayloadError saying what to fix.
+
+    The returned document is what gets stored: a caller who changes the dict
+    after emit() cannot slip an unchecked or oversized value past the checks.
+    """
     if not isinstance(payload, Mapping):
         raise PayloadError(
             f"payload must be a JSON object (a dict), got {type(payload).__name__}; "
@@ -72,7 +109,16 @@ def serialise_payload(payload: Any, limit: int) -> str:
     if problem:
         raise PayloadError(problem)
     document = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    size = len(document.encode("utf-8"))
+    try:
+        encoded = document.encode("utf-8")
+    except UnicodeEncodeError:
+        encoded = b""
+    # json.dumps writes NUL as \u0000; only a payload with that (or literal "\u0000" text) is walked.
+    if not encoded or "\\u0000" in document:
+        problem = _find_unencodable(payload, [])
+        if problem:
+            raise PayloadError(problem)
+    size = len(encoded)
     if size > limit:
         raise PayloadError(
             f"payload is {size} bytes as JSON, over the limit of {limit} bytes; store a "
@@ -95,5 +141,8 @@ def check_headers(headers: Any) -> dict[str, str]:
             raise InvalidEmitOption(f"header {name!r} must have a str value, got {type(value).__name__}")
         if any(ch in name + value for ch in "\r\n\x00"):
             raise InvalidEmitOption(f"header {name!r} contains a line break or NUL character")
+        problem = text_problem(name + value)
+        if problem:
+            raise InvalidEmitOption(f"header {name!r} {problem}")
         checked[name] = value
     return checked

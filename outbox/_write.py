@@ -55,6 +55,7 @@ def aggregate_identity(instance: Any) -> str | None:
 
 
 def _rows(events: list[PendingEvent]) -> list[dict[str, Any]]:
+    """One parameter dict per message; ``payload`` is the JSON text emit() checked."""
     rows: list[dict[str, Any]] = []
     for event in events:
         aggregate_id = None
@@ -80,12 +81,22 @@ _PSYCOPG_ROW = (
 )
 
 
+#: Rows per INSERT: PostgreSQL binds at most 65,535 parameters per statement (13 a row here).
+_ROWS_PER_INSERT = 1000
+
+
 def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]]) -> None:
     """The emitter's hot path: one hand-written multi-row INSERT, no statement compilation.
 
     This runs inside every emitting request's transaction, so the Python around
-    the round trip is kept to string joins and tuples.
+    the round trip is kept to string joins and tuples. A commit with thousands
+    of events is split, or PostgreSQL's parameter limit would fail it whole.
     """
+    for start in range(0, len(rows), _ROWS_PER_INSERT):
+        _psycopg_insert_chunk(connection, rows[start : start + _ROWS_PER_INSERT])
+
+
+def _psycopg_insert_chunk(connection: Connection, rows: list[dict[str, Any]]) -> None:
     sql = (
         f"INSERT INTO outbox_message ({_PSYCOPG_COLUMNS}) VALUES "
         + ", ".join([_PSYCOPG_ROW] * len(rows))
@@ -93,14 +104,15 @@ def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]]) -> None:
     )
     params: list[Any] = []
     for row in rows:
+        headers = row["headers"]
         params += (
             row["event_id"],
             row["event_type"],
             row["handler"],
             row["queue"],
             row["priority"],
-            json.dumps(row["payload"], separators=(",", ":"), ensure_ascii=False),
-            json.dumps(row["headers"], separators=(",", ":"), ensure_ascii=False),
+            row["payload"],
+            json.dumps(headers, separators=(",", ":"), ensure_ascii=False) if headers else "{}",
             row["aggregate_type"],
             row["aggregate_id"],
             row["idempotency_key"],
@@ -109,6 +121,11 @@ def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]]) -> None:
             row["delay"].total_seconds(),
         )
     connection.exec_driver_sql(sql, tuple(params))
+
+
+def _parsed(row: dict[str, Any]) -> dict[str, Any]:
+    # Core's JSON type serialises what it is given: hand it a fresh object made from the checked text.
+    return {**row, "payload": json.loads(row["payload"])}
 
 
 def write_events(connection: Connection, events: list[PendingEvent]) -> None:
@@ -120,14 +137,14 @@ def write_events(connection: Connection, events: list[PendingEvent]) -> None:
         if connection.dialect.driver == "psycopg":
             _psycopg_insert(connection, rows)
         else:
-            connection.execute(_POSTGRESQL_INSERT, rows)
+            connection.execute(_POSTGRESQL_INSERT, [_parsed(row) for row in rows])
     elif dialect == "sqlite":
         now = datetime.now(UTC)
         connection.execute(
             _SQLITE_INSERT,
             [
                 {
-                    **{k: v for k, v in row.items() if k != "delay"},
+                    **{k: v for k, v in _parsed(row).items() if k != "delay"},
                     "created_at": now,
                     "updated_at": now,
                     "available_at": now + row["delay"],

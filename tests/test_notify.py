@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import psycopg
+from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from outbox import Outbox, emit
+from outbox import Outbox, emit, outbox_message
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Note(Base):
+    __tablename__ = "notes"
+    id: Mapped[int] = mapped_column(primary_key=True)
 
 
 def listener(url: str) -> psycopg.Connection:
@@ -24,12 +34,16 @@ def test_one_notify_per_committed_transaction_not_per_row(pg_url, pg_engine):
     ob.route("e", lambda msg: None, name="b")
     factory = sessionmaker(pg_engine)
     ob.install(factory)
+    Base.metadata.create_all(pg_engine)
     conn = listener(pg_url)
+    statements = []
     try:
         with factory() as s, s.begin():
             for n in range(5):
                 emit(s, "e", {"n": n})
-                s.flush()  # several INSERT statements in one transaction
+                s.add(Note())  # an ORM change, so the flush runs and writes the event now
+                s.flush()
+                statements.append(s.scalar(select(func.count()).select_from(outbox_message)))
         with factory() as s, s.begin():
             emit(s, "e", {"n": 99})
             s.rollback()
@@ -37,4 +51,5 @@ def test_one_notify_per_committed_transaction_not_per_row(pg_url, pg_engine):
     finally:
         conn.close()
         ob.uninstall(factory)
+    assert statements == [2, 4, 6, 8, 10], "each flush wrote its event in an INSERT of its own"
     assert [(n.channel, n.payload) for n in got] == [("outbox", "public")]

@@ -118,3 +118,93 @@ def test_history_is_append_only(maker, engine):
 
     with engine.begin() as conn, history_purge_allowed(conn):
         conn.execute(text("DELETE FROM outbox_attempt"))
+
+
+def test_thousands_of_events_in_one_commit_are_all_stored(maker, engine):
+    """PostgreSQL binds at most 65,535 parameters a statement: a big commit must still store everything."""
+    with maker() as s, s.begin():
+        for n in range(3000):  # 6,000 messages: two routes each
+            emit(s, "user.signed_up", {"n": n})
+    with engine.connect() as conn:
+        stored = conn.execute(select(m.c.handler, func.count()).group_by(m.c.handler)).all()
+    assert dict(stored) == {"crm": 3000, "welcome_email": 3000}
+
+
+def test_the_payload_is_captured_at_emit_time(maker, engine):
+    payload = {"email": "a@example.com", "tags": ["new"]}
+    with maker() as s, s.begin():
+        emit(s, "user.signed_up", payload)
+        # Changing the dict afterwards neither changes what is stored nor escapes the checks.
+        payload["email"] = "changed@example.com"
+        payload["tags"].append("x" * 70_000)
+        payload["when"] = __import__("datetime").datetime.now()
+    assert [r.payload for r in rows(engine)] == [{"email": "a@example.com", "tags": ["new"]}] * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        ({"payload": {"note": "a\x00b"}}, PayloadError, r"payload\['note'\] contains a NUL"),
+        ({"payload": {"a\x00": 1}}, PayloadError, "NUL"),
+        ({"payload": {"deep": [{"x": "\ud800"}]}}, PayloadError, r"payload\['deep'\]\[0\]\['x'\].*surrogate"),
+        ({"key": "k\x00"}, InvalidEmitOption, "key contains a NUL"),
+        ({"group_key": "g\ud800"}, InvalidEmitOption, "group_key contains a lone surrogate"),
+        ({"headers": {"x-trace": "\x00"}}, InvalidEmitOption, "NUL"),
+        ({"delay": 3651 * 24 * 3600}, InvalidEmitOption, "at most 3650 days"),
+        ({"delay": float("inf")}, InvalidEmitOption, "zero or more"),
+        ({"queue": "bulk jobs"}, InvalidEmitOption, "whitespace"),
+        ({"queue": ""}, InvalidEmitOption, "non-empty"),
+        ({"priority": 1.5}, InvalidEmitOption, "priority"),
+    ],
+)
+def test_what_the_database_cannot_store_is_refused_at_emit(maker, engine, kwargs, error, needle):
+    kwargs = dict(kwargs)  # parameters are shared between the sqlite and postgresql runs
+    payload = kwargs.pop("payload", {"ok": True})
+    with maker() as s, s.begin():
+        with pytest.raises(error, match=needle):
+            emit(s, "user.signed_up", payload, **kwargs)
+        emit(s, "user.signed_up", {"after": True})  # the transaction is still usable
+    assert [r.payload for r in rows(engine)] == [{"after": True}] * 2
+
+
+def test_every_emit_option_is_stored_as_given(maker, engine):
+    with maker() as s, s.begin():
+        emit(
+            s,
+            "user.signed_up",
+            {"n": 1},
+            key="signup:1",
+            group_key="user:1",
+            delay=3600,
+            headers={"traceparent": "00-abc-01"},
+            priority=-5,
+            queue="urgent",
+        )
+        emit(s, "user.signed_up", {"n": 2})
+    first, second = [r for r in rows(engine) if r.handler == "crm"]
+    assert (first.idempotency_key, first.group_key) == ("signup:1", "user:1")
+    assert first.headers == {"traceparent": "00-abc-01"}
+    assert (first.priority, first.queue) == (-5, "urgent")
+    assert 3590 <= (first.available_at - first.created_at).total_seconds() <= 3610
+    assert (second.idempotency_key, second.group_key, second.headers) == (None, None, {})
+    assert (second.priority, second.queue) == (0, "default")
+    assert abs((second.available_at - second.created_at).total_seconds()) < 1
+
+
+def test_payload_limit_is_configurable_and_counts_utf8_bytes(engine):
+    Base.metadata.create_all(engine)
+    ob = Outbox(payload_limit=100)
+    ob.route("e", lambda msg: None, name="r")
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    try:
+        overhead = len('{"s":""}')
+        with factory() as s, s.begin():
+            emit(s, "e", {"s": "x" * (100 - overhead)})  # exactly at the limit
+            with pytest.raises(PayloadError, match="101 bytes as JSON, over the limit of 100"):
+                emit(s, "e", {"s": "x" * (101 - overhead)})
+            with pytest.raises(PayloadError, match="over the limit"):
+                emit(s, "e", {"s": "é" * 50})  # 50 characters, 100 bytes of UTF-8
+    finally:
+        ob.uninstall(factory)
+    assert len(rows(engine)) == 1
