@@ -566,6 +566,7 @@ class Relay:
             "handler": message.handler,
             "event_type": message.event_type,
             "attempt": message.attempt,
+            "outcome": completion.outcome,
         }
         duration = (completion.finished_at - completion.started_at).total_seconds()
         if completion.status == "delivered":
@@ -590,7 +591,7 @@ class Relay:
                 completion.outcome,
                 completion.error,
                 completion.retry_in,
-                extra={"action": "retry", "outcome": completion.outcome, **extra},
+                extra={"action": "retry", **extra},
             )
             signals.retry_scheduled.send(
                 self.outbox,
@@ -665,8 +666,19 @@ class Relay:
                 row.id,
                 row.locked_by,
                 "; it was its last attempt: dead" if item.dead else "",
-                extra={"action": "lease_expired", "message_id": row.id, "handler": row.handler},
+                extra={
+                    "action": "lease_expired",
+                    "relay_id": self.id,
+                    "message_id": row.id,
+                    "handler": row.handler,
+                    "event_type": row.event_type,
+                    "attempt": row.attempts,
+                    "outcome": "lease_expired",
+                    "held_by": row.locked_by,
+                },
             )
+            if self.metrics is not None:
+                self.metrics.deliveries.labels(row.handler, "lease_expired").inc()
             message = to_message(row)
             if item.dead:
                 signals.message_dead.send(self.outbox, relay=self, message=message, error=item.reason)
