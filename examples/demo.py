@@ -11,6 +11,11 @@ an embedded relay until everything is settled, and prints every message's
 attempt history straight from the ``outbox_attempt`` table.
 
     python examples/demo.py [--database-url postgresql+psycopg://...]
+
+Every run can point at the same database: its idempotency keys carry a fresh
+run nonce (the sent-log would rightly refuse a second welcome mail under an old
+key), and it reports only the messages it emitted itself. Its working folder
+(SQLite file, report CSV) is removed at exit.
 """
 
 from __future__ import annotations
@@ -21,22 +26,26 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import String, create_engine, func, select, text
-from sqlalchemy.engine import Engine
+from sqlalchemy import String, create_engine, func, select
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import outbox
-from outbox import Backoff, Outbox, OutboxMixin
+from outbox import Backoff, Outbox, OutboxMixin, ops
 from outbox.integrations.email import EmailHandler, SentLog
 from outbox.integrations.report import ReportJob
 from outbox.integrations.webhook import WebhookHandler, generate_secret, verify
 from outbox.relay import Relay
 
 CRM_SECRET = generate_secret()
+ROUTES = ("welcome_email", "crm_webhook", "report.signups")
+#: A report chunk may take every relay slot it is given; two of four leave mail its share.
+REPORT_SLOTS = 2
 
 
 def free_port() -> int:
@@ -157,7 +166,7 @@ def build_outbox(engine: Engine, smtp_port: int, crm_port: int, reports: Path) -
     return ob, report
 
 
-def sign_up(factory: sessionmaker[Session], email: str, name: str, *, fail: bool = False) -> None:
+def sign_up(factory: sessionmaker[Session], run: str, email: str, name: str, *, fail: bool = False) -> None:
     with factory() as s:
         try:
             with s.begin():
@@ -170,7 +179,7 @@ def sign_up(factory: sessionmaker[Session], email: str, name: str, *, fail: bool
                         "subject": f"Welcome, {name}!",
                         "text": f"Hello {name}, thanks for joining.",
                     },
-                    key=f"signup:{email}",
+                    key=f"signup:{run}:{email}",
                 )
                 if fail:
                     raise RuntimeError("payment check failed")
@@ -180,79 +189,120 @@ def sign_up(factory: sessionmaker[Session], email: str, name: str, *, fail: bool
     print(f"  signed up {email}")
 
 
-def settled(engine: Engine) -> bool:
+def last_message_id(engine: Engine) -> int:
+    """Messages above this id are this run's: an earlier run's stay in a reused database."""
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.max(outbox.outbox_message.c.id))).scalar() or 0)
+
+
+def discard_leftovers(engine: Engine) -> None:
+    """An earlier run stopped mid-way left pending messages for servers that are gone: drop them, audited."""
+    for route in ROUTES:
+        left = ops.discard(
+            engine,
+            ops.MessageFilter(status="pending", handler=route),
+            reason="left pending by an earlier demo run",
+            actor="demo",
+        )
+        if left:
+            print(f"  discarded {len(left)} pending {route} message(s) left by an earlier run")
+
+
+def settled(engine: Engine, after: int) -> bool:
+    m = outbox.outbox_message
     with engine.connect() as conn:
         return not conn.execute(
-            select(func.count()).where(outbox.outbox_message.c.status.in_(("pending", "running")))
+            select(func.count()).where(m.c.id > after, m.c.status.in_(("pending", "running")))
         ).scalar()
 
 
-def print_history(engine: Engine) -> None:
+def print_history(engine: Engine, after: int) -> None:
     m, a = outbox.outbox_message, outbox.outbox_attempt
     with engine.connect() as conn:
-        messages = list(conn.execute(select(m).order_by(m.c.id)))
-        attempts = list(conn.execute(select(a).order_by(a.c.id)))
+        messages = list(conn.execute(select(m).where(m.c.id > after).order_by(m.c.id)))
+        attempts = list(conn.execute(select(a).where(a.c.message_id > after).order_by(a.c.id)))
     print("\nEvery message and its attempts (SELECT ... FROM outbox_message / outbox_attempt):")
     for msg in messages:
         print(
             f"  #{msg.id:<3} {msg.event_type:<22} -> {msg.handler:<15} {msg.status:<9}"
             f" attempts={msg.attempts}"
         )
+        # Whole lines: an SMTP reply or a webhook error cut short hides what the server said.
         for h in (h for h in attempts if h.message_id == msg.id):
-            detail = json.dumps(h.detail) if h.detail else ""
-            error = f" {h.error_type}: {h.error}" if h.error else ""
-            print(
-                f"        attempt {h.attempt}: {h.outcome:<9} {h.duration_ms or 0:>4} ms{error} {detail}"[
-                    :150
-                ]
-            )
+            print(f"        attempt {h.attempt}: {h.outcome:<9} {h.duration_ms or 0:>4} ms")
+            if h.error:
+                print(f"            error:  {h.error_type}: {h.error}")
+            if h.detail:
+                print(f"            detail: {json.dumps(h.detail)}")
+
+
+def print_report(location: str | None) -> None:
+    if location is None:
+        return
+    print(f"report file {Path(location).name}:")
+    for line in Path(location).read_text(encoding="utf-8").splitlines():
+        print(f"  {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--database-url", help="run against this database instead of a fresh SQLite file")
     args = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="outbox-demo-"))
-    url = args.database_url or f"sqlite:///{workdir / 'demo.db'}"
-    print(f"database: {url}")
+    with tempfile.TemporaryDirectory(prefix="outbox-demo-", ignore_cleanup_errors=True) as folder:
+        return run(args.database_url, Path(folder))
+
+
+def run(database_url: str | None, workdir: Path) -> int:
+    url = database_url or f"sqlite:///{workdir / 'demo.db'}"
+    print(f"database: {make_url(url).render_as_string(hide_password=True)}")
     outbox.upgrade(url)
     engine = create_engine(url)
+    try:
+        return demo(engine, workdir)
+    finally:
+        engine.dispose()  # before the SQLite file's folder goes
+
+
+def demo(engine: Engine, workdir: Path) -> int:
     Base.metadata.drop_all(engine)
     Base.metadata.create_all(engine)
-    with engine.begin() as conn:  # a PostgreSQL demo database may hold an earlier run's rows
-        if conn.dialect.name == "postgresql":
-            conn.execute(text("DELETE FROM outbox_message"))
+    run_nonce = uuid.uuid4().hex[:8]
+    discard_leftovers(engine)
+    after = last_message_id(engine)
 
     smtp, crm = SmtpSink(), FlakyCrm(failures=3)
     ob, report = build_outbox(engine, smtp.port, crm.port, workdir)
     factory = sessionmaker(engine)
     ob.install(factory)
-    relay = Relay(ob, engine, poll_interval=0.5, concurrency=4)
+    # Reports may hold at most REPORT_SLOTS of the relay's slots: the rest stay free for mail
+    # (priority orders messages only within a queue; see docs/reports.md).
+    relay = Relay(ob, engine, poll_interval=0.5, concurrency=4, queue_concurrency={"reports": REPORT_SLOTS})
     thread = threading.Thread(target=relay.run, name="relay")
     thread.start()
     try:
-        print("signups:")
-        sign_up(factory, "ada@example.com", "Ada")
-        sign_up(factory, "grace@example.com", "Grace")
-        sign_up(factory, "mallory@example.com", "Mallory", fail=True)
-        sign_up(factory, "linus@example.com", "Linus")
+        print(f"signups (run {run_nonce}):")
+        sign_up(factory, run_nonce, "ada@example.com", "Ada")
+        sign_up(factory, run_nonce, "grace@example.com", "Grace")
+        sign_up(factory, run_nonce, "mallory@example.com", "Mallory", fail=True)
+        sign_up(factory, run_nonce, "linus@example.com", "Linus")
         with factory() as s, s.begin():
             run_id = report.start(s)
         print(f"  requested the signups report (run {run_id[:8]})")
         deadline = time.monotonic() + 60
-        while not settled(engine) and time.monotonic() < deadline:
+        while not settled(engine, after) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
         relay.stop()
         thread.join(30)
         smtp.stop()
         crm.stop()
-    print_history(engine)
+    print_history(engine, after)
     progress = report.progress(run_id)
     print(f"\nemails received by the SMTP sink: {len(smtp.messages)}")
     print(f"CRM calls: {', '.join(str(status) for status, _ in crm.calls)} (retried until it recovered)")
-    print(f"report: {progress.status}, {progress.row_count} rows -> {progress.location}")
-    ok = settled(engine) and len(smtp.messages) == 3 and progress.status == "complete"
+    print(f"report: {progress.status}, {progress.row_count} rows")
+    print_report(progress.location)
+    ok = settled(engine, after) and len(smtp.messages) == 3 and progress.status == "complete"
     print("\ndemo finished: everything delivered" if ok else "\ndemo finished with undelivered messages")
     return 0 if ok else 1
 
