@@ -24,6 +24,7 @@ from ._migrations import include_object, upgrade
 from ._mixin import OutboxMixin
 from ._outbox import Outbox
 from ._routes import Route
+from ._sqlite import enable_sqlite_savepoints
 from ._tables import (
     ATTEMPT_OUTCOMES,
     MESSAGE_STATUSES,
@@ -52,6 +53,7 @@ __all__ = [
     "Route",
     "UnroutedEvent",
     "emit",
+    "enable_sqlite_savepoints",
     "include_object",
     "metadata",
     "outbox_attempt",

@@ -51,7 +51,7 @@ from sqlalchemy.orm import (
 )
 
 import outbox
-from outbox import Outbox, OutboxMixin
+from outbox import ConfigurationError, Outbox, OutboxMixin, emit, enable_sqlite_savepoints
 
 EVENT = "order.placed"
 ROUTES = ("audit_log", "partner_webhook")
@@ -353,20 +353,8 @@ class AtomicityMachine(RuleBasedStateMachine):
 
 
 def _savepoint_capable(url: str) -> Engine:
-    engine = create_engine(url)
-    if engine.dialect.name == "sqlite":
-        # pysqlite's own transaction handling breaks savepoints (a RELEASE of a
-        # SAVEPOINT that began the transaction commits it): let SQLAlchemy emit
-        # BEGIN itself, as its SQLite dialect docs recommend.
-        @event.listens_for(engine, "connect")
-        def _no_implicit_transactions(dbapi_connection: Any, record: Any) -> None:
-            dbapi_connection.isolation_level = None
-
-        @event.listens_for(engine, "begin")
-        def _begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN")
-
-    return engine
+    # pysqlite's own transaction handling breaks savepoints: the documented cure.
+    return enable_sqlite_savepoints(create_engine(url))
 
 
 @pytest.fixture
@@ -394,3 +382,35 @@ def test_emitted_events_are_stored_iff_every_enclosing_transaction_commits(
 
     Machine.engine, Machine.reader = engine, reader
     run_state_machine_as_test(Machine, settings=SETTINGS)
+
+
+def test_sqlite_savepoints_keep_the_promise_with_enable_sqlite_savepoints(tmp_path):
+    """An event emitted in a released savepoint dies with the enclosing rollback (SQLite)."""
+    url = f"sqlite:///{tmp_path / 'sp.db'}"
+    outbox.upgrade(url)
+    engine = enable_sqlite_savepoints(create_engine(url))
+    assert enable_sqlite_savepoints(engine) is engine  # twice is harmless
+    ob = Outbox()
+    ob.route("e", lambda msg: None, name="r")
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        with maker() as session:
+            with session.begin_nested():  # the savepoint begins the transaction
+                emit(session, "e", {"n": 1})
+            session.rollback()
+            with session.begin():
+                emit(session, "e", {"n": 2})
+    finally:
+        ob.uninstall(maker)
+    with engine.connect() as conn:
+        assert [r.payload for r in conn.execute(select(outbox.outbox_message))] == [{"n": 2}]
+    engine.dispose()
+
+
+def test_enable_sqlite_savepoints_leaves_other_databases_alone_and_refuses_non_engines():
+    engine = create_engine("postgresql+psycopg://nobody@127.0.0.1/none")
+    assert enable_sqlite_savepoints(engine) is engine
+    assert not event.contains(engine, "begin", outbox._sqlite._begin_explicitly)
+    with pytest.raises(ConfigurationError, match="takes an Engine or AsyncEngine"):
+        enable_sqlite_savepoints("sqlite://")
