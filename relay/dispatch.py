@@ -98,17 +98,23 @@ async def attempt(
     detail: dict[str, Any] | None = None
     last = message.attempt >= row.max_attempts
     refund = False
+    # asyncio.timeout, not wait_for: no extra Task per message on the hot path.
+    deadline = asyncio.timeout(route.timeout)
     try:
-        # asyncio.timeout, not wait_for: no extra Task per message on the hot path.
-        async with asyncio.timeout(route.timeout):
+        async with deadline:
             returned = await _invoke(route.handler, message, executor)
         # A handler may return facts about the delivery (HTTP status, SMTP queue id).
         if isinstance(returned, Mapping):
             detail = redactor.mapping(returned)
-    except TimeoutError:
-        outcome = "timeout"
-        error_type = "TimeoutError"
-        error = f"handler did not finish within {route.timeout:g}s"
+    except TimeoutError as exc:
+        if not deadline.expired():  # the handler's own TimeoutError (a socket, say): a plain failure
+            outcome = "failed"
+            error_type, error = _describe(exc, redactor)
+            detail = _detail_of(exc, redactor)
+        else:
+            outcome = "timeout"
+            error_type = "TimeoutError"
+            error = f"handler did not finish within {route.timeout:g}s"
     except RetryLater as exc:
         outcome = "retry"
         error_type, error = _describe(exc, redactor)
