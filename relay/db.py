@@ -73,8 +73,11 @@ class LoopConnection:
     of database errors whichever connection failed.
     """
 
-    def __init__(self, engine: Engine, application_name: str = "outbox-relay claim") -> None:
+    def __init__(
+        self, engine: Engine, application_name: str = "outbox-relay claim", *, settings: str = ""
+    ) -> None:
         self._kwargs = _connect_kwargs(engine, application_name)
+        self._settings = settings
         self._conn: Any = None
 
     async def fetch(self, sql: str, params: dict[str, Any]) -> list[Any]:
@@ -84,9 +87,12 @@ class LoopConnection:
 
         try:
             if self._conn is None:
-                self._conn = await psycopg.AsyncConnection.connect(
+                conn = await psycopg.AsyncConnection.connect(
                     autocommit=True, row_factory=namedtuple_row, **self._kwargs
                 )
+                if self._settings:
+                    await conn.execute(self._settings)
+                self._conn = conn
             cursor = await self._conn.execute(sql, params)
             rows: list[Any] = await cursor.fetchall()
             return rows
