@@ -63,11 +63,12 @@ def _connect_kwargs(engine: Engine, application_name: str) -> dict[str, Any]:
 
 
 class LoopConnection:
-    """An autocommit psycopg connection used from the event loop itself, for claims.
+    """An autocommit psycopg connection used from the event loop itself, for the hot path.
 
-    A claim through the thread pool and SQLAlchemy's pool costs two thread hops
-    and SQLAlchemy's execution machinery on every wake-up, more than the claim's
-    own round trip; the claim is on the commit-to-handler path, so it runs here.
+    A statement through the thread pool and SQLAlchemy's pool costs two thread
+    hops and SQLAlchemy's execution machinery, more than its own round trip;
+    claims (on the commit-to-handler path) and batches of outcomes (on the
+    throughput path) run here, each on a connection of its own.
     A failed statement drops the connection (the next use opens a new one) and
     is raised as SQLAlchemy's ``DBAPIError``, so the worker handles one family
     of database errors whichever connection failed.
@@ -82,6 +83,13 @@ class LoopConnection:
 
     async def fetch(self, sql: str, params: dict[str, Any]) -> list[Any]:
         """Rows of one statement, with attribute access like SQLAlchemy's rows."""
+        rows: list[Any] = await self._run(sql, params, fetch=True)
+        return rows
+
+    async def execute(self, sql: str, params: dict[str, Any]) -> None:
+        await self._run(sql, params, fetch=False)
+
+    async def _run(self, sql: str, params: dict[str, Any], *, fetch: bool) -> Any:
         import psycopg
         from psycopg.rows import namedtuple_row
 
@@ -94,11 +102,14 @@ class LoopConnection:
                     await conn.execute(self._settings)
                 self._conn = conn
             cursor = await self._conn.execute(sql, params)
-            rows: list[Any] = await cursor.fetchall()
-            return rows
+            return await cursor.fetchall() if fetch else None
         except psycopg.Error as exc:
             await self.close()
             raise DBAPIError.instance(sql, None, exc, psycopg.Error, hide_parameters=True) from None
+        except BaseException:
+            # Cancelled mid-statement: what the server did is unknown; never reuse the connection.
+            await self.close()
+            raise
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None

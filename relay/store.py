@@ -446,8 +446,17 @@ class Store:
                 ],
             )
 
+    async def complete_on(self, conn: LoopConnection, results: Sequence[Completion]) -> None:
+        """:meth:`complete` over the event loop's own connection (PostgreSQL with psycopg only)."""
+        if results:
+            await conn.execute(pg.COMPLETE, self._complete_params(results))
+
     def _complete_postgresql(self, results: Sequence[Completion]) -> None:
-        params = {
+        with self._autocommit.connect() as conn:
+            conn.exec_driver_sql(pg.COMPLETE, self._complete_params(results))
+
+    def _complete_params(self, results: Sequence[Completion]) -> dict[str, Any]:
+        return {
             "me": self.relay_id,
             "ids": [r.message_id for r in results],
             "statuses": [r.status for r in results],
@@ -462,8 +471,6 @@ class Store:
             "error_types": [r.error_type for r in results],
             "details": [None if r.detail is None else json.dumps(r.detail) for r in results],
         }
-        with self._autocommit.connect() as conn:
-            conn.exec_driver_sql(pg.COMPLETE, params)
 
     # -- visibility -----------------------------------------------------------------
 

@@ -221,6 +221,7 @@ class Relay:
         self._claimer = (
             LoopConnection(self.engine, settings="SET synchronous_commit = off") if self.store.fast else None
         )
+        self._recorder = LoopConnection(self.engine, "outbox-relay write") if self.store.fast else None
         self._handler_pool = DaemonPool(self.concurrency + 2)
         self._result = DrainResult()
         self._background: list[asyncio.Task[Any]] = []
@@ -273,9 +274,10 @@ class Relay:
                     extra={"action": "handler_shutdown", "handler": route.name},
                 )
 
-    async def _close_claimer(self) -> None:
-        if self._claimer is not None:
-            await self._claimer.close()
+    async def _close_loop_connections(self) -> None:
+        for conn in (self._claimer, self._recorder):
+            if conn is not None:
+                await conn.close()
 
     def _close(self) -> None:
         self._db_pool.shutdown(wait=True)
@@ -352,7 +354,7 @@ class Relay:
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
             await self._shutdown_handlers()
-            await self._close_claimer()
+            await self._close_loop_connections()
             if self.metrics is not None:
                 self.metrics.up.set(0)
             if install_signal_handlers:
@@ -551,8 +553,12 @@ class Relay:
             batch, self._buffer = self._buffer, []
             if not batch:
                 return
+            outcomes = [c for _, c in batch]
             try:
-                await self._db(self.store.complete, [c for _, c in batch])
+                if self._recorder is not None:
+                    await self.store.complete_on(self._recorder, outcomes)
+                else:
+                    await self._db(self.store.complete, outcomes)
             except BaseException:
                 self._buffer[:0] = batch  # keep them, in order, for the next try
                 self._buffered.set()
@@ -821,7 +827,7 @@ class Relay:
             await asyncio.gather(*pending, return_exceptions=True)
             await self._save_what_is_left()
             await self._shutdown_handlers()
-            await self._close_claimer()
+            await self._close_loop_connections()
             self._close()
         return self._result
 
