@@ -20,7 +20,7 @@ from ._exceptions import (
     UnroutedEvent,
 )
 from ._message import Handler, Message
-from ._migrations import include_object, upgrade
+from ._migrations import downgrade, include_object, upgrade
 from ._mixin import OutboxMixin
 from ._outbox import Outbox
 from ._routes import Route
@@ -52,6 +52,7 @@ __all__ = [
     "RetryLater",
     "Route",
     "UnroutedEvent",
+    "downgrade",
     "emit",
     "enable_sqlite_savepoints",
     "include_object",
