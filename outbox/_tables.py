@@ -124,6 +124,14 @@ outbox_message = Table(
         postgresql_where=text("group_key IS NOT NULL"),
         sqlite_where=text("group_key IS NOT NULL"),
     ),
+    # Requeued copies of a row: the foreign key check on every delete (purge), and
+    # "was this requeued already?" (requeue, stats). Partial: only copies have it.
+    Index(
+        "ix_outbox_message_requeued_from",
+        "requeued_from",
+        postgresql_where=text("requeued_from IS NOT NULL"),
+        sqlite_where=text("requeued_from IS NOT NULL"),
+    ),
     Index("ix_outbox_message_status_handler", "status", "handler"),
     Index("ix_outbox_message_event_id", "event_id"),
     Index("ix_outbox_message_aggregate", "aggregate_type", "aggregate_id"),
