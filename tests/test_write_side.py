@@ -208,3 +208,28 @@ def test_payload_limit_is_configurable_and_counts_utf8_bytes(engine):
     finally:
         ob.uninstall(factory)
     assert len(rows(engine)) == 1
+
+
+def test_a_mixin_instance_outside_any_session_cannot_emit(maker, engine):
+    from outbox import EmitError
+
+    with pytest.raises(EmitError, match="not in a session.*session.add"):
+        User(email="lost@example.com").emit("user.signed_up", {})
+    assert rows(engine) == []
+
+
+class Account(OutboxMixin, Base):
+    __tablename__ = "accounts"
+    __outbox_aggregate_type__ = "billing.Account"
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
+def test_a_custom_aggregate_type_and_an_id_known_only_after_flush(maker, engine):
+    with maker() as s, s.begin():
+        account = Account()
+        s.add(account)
+        account.emit("user.signed_up", {})  # no id yet: it is read when the event is written
+    with maker() as s:
+        (account_id,) = s.execute(select(Account.id)).one()
+    stored = {(r.aggregate_type, r.aggregate_id) for r in rows(engine)}
+    assert stored == {("billing.Account", str(account_id))}
