@@ -1,9 +1,18 @@
 """The ``outbox`` command: migrations, audit and dead letters for the outbox tables.
 
 Exit codes: 0 success, 1 the operation failed (database unreachable, migration
-error, unknown id, refused action), 2 bad usage. User mistakes get one line on
-stderr, never a traceback. Every subcommand takes ``--database-url`` (or
-``OUTBOX_DATABASE_URL``).
+error, unknown id, refused action), 2 bad usage, 130 interrupted (Ctrl-C).
+User mistakes get one line on stderr, never a traceback. Every subcommand takes
+``--database-url`` (or ``OUTBOX_DATABASE_URL``).
+
+Bulk ``requeue`` and ``discard`` by filter ask for confirmation (``--yes``
+skips the question; without a terminal they refuse, exit 1). When the filter
+matches nothing they say so and exit 0 without asking: an empty dead-letter
+queue is not an error for a script. Answering anything but ``y``, or Ctrl-D
+(end of input) at the question, does nothing and exits 0.
+
+``--actor`` defaults to the login name; when the system cannot name the user
+(a container running as a uid with no passwd entry), to ``uid:<number>``.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import create_engine
@@ -45,11 +54,25 @@ def _timestamp(value: str) -> datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
-def _duration(value: str) -> Any:
+def _age(value: str) -> timedelta:
+    """A duration that can be subtracted from now (a cutoff before year 1 is a usage error)."""
     try:
-        return ops.parse_duration(value)
+        age = ops.parse_duration(value)
+        _ = datetime.now(UTC) - age  # the cutoff purge will compute
     except ops.OpsError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"age {value!r} reaches back before year 1") from None
+    return age
+
+
+def _login_name() -> str:
+    """Who runs the command, for the audit trail; never fails."""
+    try:
+        return getpass.getuser()
+    except Exception:  # KeyError or OSError: no USER/LOGNAME and no passwd entry for the uid
+        getuid = getattr(os, "getuid", None)
+        return f"uid:{getuid()}" if getuid is not None else "unknown"
 
 
 def _message_id(value: str) -> int:
@@ -152,11 +175,12 @@ def _parser() -> argparse.ArgumentParser:
 
     purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
     _add_database(purge)
-    purge.add_argument(
-        "--delivered-older-than", type=_duration, required=True, metavar="AGE", help="e.g. 30d"
-    )
-    purge.add_argument("--history-older-than", type=_duration, metavar="AGE", help="e.g. 90d")
+    purge.add_argument("--delivered-older-than", type=_age, required=True, metavar="AGE", help="e.g. 30d")
+    purge.add_argument("--history-older-than", type=_age, metavar="AGE", help="e.g. 90d")
     purge.add_argument("--batch-size", type=_count, default=1000)
+    purge.add_argument(
+        "--actor", default=None, help="who, recorded in outbox_retention_run (default: the login name)"
+    )
     purge.add_argument("--json", action="store_true")
     return parser
 
@@ -201,7 +225,9 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
     for queue, age in sorted(result.oldest_pending_age_s.items()):
         print(f"oldest due message in queue {queue}: {age:.1f}s")
     print(f"last hour: {result.delivered_last_hour} delivered, {result.failed_last_hour} failed attempts")
-    print(f"dead: {result.dead}")
+    # Requeued originals stay dead for the record; only the others still need a decision.
+    requeued = f" (and {result.dead_requeued} requeued)" if result.dead_requeued else ""
+    print(f"dead: {result.dead}{requeued}")
     return 0
 
 
@@ -261,13 +287,31 @@ def _confirm(count: int, verb: str, args: argparse.Namespace) -> bool:
         return True
     if not sys.stdin.isatty():
         raise _Failed(f"{verb} by filter would touch {count} message(s); pass --yes to confirm")
-    answer = input(f"{verb} {count} message(s)? [y/N] ")
+    try:
+        answer = input(f"{verb} {count} message(s)? [y/N] ")
+    except EOFError:  # Ctrl-D: no answer is no
+        print()
+        return False
     return answer.strip().lower() in ("y", "yes")
+
+
+def _print_acted(args: argparse.Namespace, done: Sequence[Any]) -> None:
+    if args.command == "requeue":
+        if args.json:
+            _print_json([{"old_id": old, "new_id": new} for old, new in done])
+            return
+        for old, new in done:
+            print(f"requeued {old} as {new}")
+        print(f"{len(done)} message(s) requeued")
+    elif args.json:
+        _print_json({"discarded": list(done)})
+    else:
+        print(f"{len(done)} message(s) discarded" + (f": {', '.join(map(str, done))}" if done else ""))
 
 
 def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
     where = _filter(args, args.ids)
-    actor = args.actor or getpass.getuser()
+    actor = args.actor or _login_name()
     if not args.ids:
         if where.empty:
             raise _Failed(f"give message ids or a filter; {args.command} never acts on everything")
@@ -276,23 +320,20 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
         else:
             rows = ops.list_messages(engine, where, limit=10**9)
             count = sum(1 for r in rows if r.status in ops.DISCARDABLE)
+        if count == 0 and not args.yes:
+            # Nothing to confirm; acting anyway could touch rows that matched since the count.
+            if args.json:
+                _print_acted(args, [])
+            else:
+                print(f"no message matched the filter; nothing to {args.command}")
+            return 0
         if not _confirm(count, args.command, args):
             print("nothing done")
             return 0
     if args.command == "requeue":
-        pairs = ops.requeue(engine, where, reason=args.reason, actor=actor)
-        if args.json:
-            _print_json([{"old_id": old, "new_id": new} for old, new in pairs])
-        else:
-            for old, new in pairs:
-                print(f"requeued {old} as {new}")
-            print(f"{len(pairs)} message(s) requeued")
+        _print_acted(args, ops.requeue(engine, where, reason=args.reason, actor=actor))
     else:
-        ids = ops.discard(engine, where, reason=args.reason, actor=actor)
-        if args.json:
-            _print_json({"discarded": ids})
-        else:
-            print(f"{len(ids)} message(s) discarded" + (f": {', '.join(map(str, ids))}" if ids else ""))
+        _print_acted(args, ops.discard(engine, where, reason=args.reason, actor=actor))
     return 0
 
 
@@ -302,6 +343,7 @@ def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
         delivered_older_than=args.delivered_older_than,
         history_older_than=args.history_older_than,
         batch_size=args.batch_size,
+        actor=args.actor or _login_name(),
     )
     if args.json:
         _print_json({"messages": result.messages, "attempts": result.attempts, "batches": result.batches})
@@ -354,6 +396,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SQLAlchemyError as error:
         print(f"{PROG} {args.command}: database error on {shown}: {_one_line(error)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Every change is its own committed transaction (a purge batch included), so what
+        # finished is recorded and the rest did not happen.
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
     finally:
         engine.dispose()
 

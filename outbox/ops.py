@@ -9,12 +9,12 @@ points back at it), so the audit trail stays complete.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, delete, func, insert, literal, select, update
+from sqlalchemy import ColumnElement, Select, case, delete, func, insert, literal, select, update
 from sqlalchemy.engine import Connection, Engine, Row
 
 from ._exceptions import OutboxError
@@ -66,29 +66,60 @@ def parse_duration(text: str) -> timedelta:
     match = _DURATION.match(text)
     if not match:
         raise OpsError(f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    try:
+        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    except (OverflowError, ValueError):  # past timedelta's 999,999,999 days, or inf
+        raise OpsError(f"duration {text!r} is too long: at most 999999999d") from None
+
+
+def _before(now: datetime, age: timedelta, what: str) -> datetime:
+    """``now - age``, refused in one line when it would fall before year 1."""
+    try:
+        return now - age
+    except OverflowError:
+        raise OpsError(f"{what} {age.days}d reaches back before year 1; give a shorter age") from None
 
 
 # -- reading ----------------------------------------------------------------------------
 
 
+def _has_copy() -> ColumnElement[bool]:
+    """True for an ``outbox_message`` row that a requeued copy points at (ix_outbox_message_requeued_from)."""
+    copy = m.alias("requeued_copy")
+    return select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists()
+
+
 @dataclass(frozen=True, slots=True)
 class Stats:
+    """What ``outbox stats`` shows.
+
+    ``by_status`` counts rows as stored. A requeued original stays ``dead`` for
+    the record, so ``dead`` counts only dead messages nobody has acted on yet
+    (no copy points back at them): the figure to alert on, which goes down
+    when an operator requeues. ``dead_requeued`` counts the others; the two add
+    up to ``by_status["dead"]``.
+    """
+
     by_status: dict[str, int]
     by_handler_status: dict[str, dict[str, int]]
-    oldest_pending_age_s: dict[str, float]  # per queue, due messages only
+    oldest_pending_age_s: dict[str, float]  # per queue: due pending messages, from available_at
     delivered_last_hour: int
     failed_last_hour: int  # attempts that did not deliver (retry, failed, timeout, dead, lease_expired)
-    dead: int
+    dead: int  # dead and not requeued: waiting for an operator
+    dead_requeued: int = 0  # dead, with a requeued copy
+    # per queue: pending (due or not, retries included) or running messages, from created_at
+    oldest_unfinished_age_s: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "by_status": self.by_status,
             "by_handler_status": self.by_handler_status,
             "oldest_pending_age_s": self.oldest_pending_age_s,
+            "oldest_unfinished_age_s": self.oldest_unfinished_age_s,
             "delivered_last_hour": self.delivered_last_hour,
             "failed_last_hour": self.failed_last_hour,
             "dead": self.dead,
+            "dead_requeued": self.dead_requeued,
         }
 
 
@@ -112,6 +143,21 @@ def stats(engine: Engine) -> Stats:
             )
             if first is not None
         }
+        unfinished = {
+            queue: max(0.0, (now - first).total_seconds())
+            for queue, first in conn.execute(
+                select(m.c.queue, func.min(m.c.created_at))
+                .where(m.c.status.in_(("pending", "running")))
+                .group_by(m.c.queue)
+            )
+            if first is not None
+        }
+        # One statement, so the two figures add up even while an operator requeues.
+        dead_total, dead_requeued = conn.execute(
+            select(func.count(), func.coalesce(func.sum(case((_has_copy(), 1), else_=0)), 0)).where(
+                m.c.status == "dead"
+            )
+        ).one()
         outcomes: dict[str, int] = dict(
             conn.execute(
                 select(a.c.outcome, func.count())
@@ -126,7 +172,9 @@ def stats(engine: Engine) -> Stats:
         oldest_pending_age_s=oldest,
         delivered_last_hour=outcomes.get("delivered", 0),
         failed_last_hour=failed,
-        dead=by_status.get("dead", 0),
+        dead=dead_total - dead_requeued,
+        dead_requeued=dead_requeued,
+        oldest_unfinished_age_s=unfinished,
     )
 
 
@@ -372,6 +420,7 @@ class PurgeResult:
     messages: int
     attempts: int
     batches: int
+    run_id: int | None = None  # the purge's outbox_retention_run row
 
 
 def purge(
@@ -381,35 +430,59 @@ def purge(
     history_older_than: timedelta | None = None,
     batch_size: int = 1000,
     actor: str = "outbox purge",
+    on_batch: Callable[[PurgeResult], None] | None = None,
 ) -> PurgeResult:
     """Delete finished messages (delivered or discarded) and, optionally, old history, in small batches.
 
     Each batch is its own short transaction, so no long lock is held. A
     message's history outlives the message unless ``history_older_than`` also
-    removes it; dead messages are never purged (they wait for an operator).
-    The purge records itself in ``outbox_retention_run`` (actor, cutoffs,
-    counts), written before the first batch and completed after the last, so
-    even an interrupted purge leaves its trace.
+    removes it; dead messages are never purged (they wait for an operator),
+    nor is an original that a requeued copy still points at.
+
+    The purge records itself in ``outbox_retention_run``: the row (actor,
+    cutoffs) is written before the first batch, each batch adds its counts in
+    the same transaction as its deletes, and ``finished_at`` is set after the
+    last. An interrupted purge therefore leaves a row with ``finished_at``
+    NULL and counts that say exactly what was deleted. ``on_batch`` is called
+    after each committed batch with the totals so far (progress reports); an
+    exception it raises stops the purge there.
+
+    Purging a delivered message also forgets its idempotency key: the same key
+    emitted afterwards is stored (and delivered) again.
     """
     if batch_size < 1:
         raise OpsError("batch_size must be at least 1")
+    if not isinstance(actor, str) or not actor.strip():
+        raise OpsError("an actor is required: it is what outbox_retention_run will say")
     started = _now()
-    delivered_before = started - delivered_older_than
-    history_before = None if history_older_than is None else started - history_older_than
+    delivered_before = _before(started, delivered_older_than, "delivered_older_than")
+    history_before = (
+        None if history_older_than is None else _before(started, history_older_than, "history_older_than")
+    )
+    run = outbox_retention_run
     with engine.begin() as conn:
         run_id = conn.execute(
-            insert(outbox_retention_run)
+            insert(run)
             .values(
                 started_at=started,
                 actor=actor,
                 delivered_before=delivered_before,
                 history_before=history_before,
             )
-            .returning(outbox_retention_run.c.id)
+            .returning(run.c.id)
         ).scalar_one()
-    cutoff = literal(delivered_before, m.c.updated_at.type)
-    copy = m.alias("copy")
     messages = attempts = batches = 0
+
+    def record(conn: Connection, column: str, deleted: int) -> None:
+        conn.execute(update(run).where(run.c.id == run_id).values({column: run.c[column] + deleted}))
+
+    def progress() -> None:
+        nonlocal batches
+        batches += 1
+        if on_batch is not None:
+            on_batch(PurgeResult(messages=messages, attempts=attempts, batches=batches, run_id=run_id))
+
+    cutoff = literal(delivered_before, m.c.updated_at.type)
     while True:
         with engine.begin() as conn:
             ids = list(
@@ -417,15 +490,17 @@ def purge(
                     select(m.c.id)
                     .where(m.c.status.in_(("delivered", "discarded")), m.c.updated_at < cutoff)
                     # An original that a requeued copy points at stays while the copy exists.
-                    .where(~select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists())
+                    .where(~_has_copy())
                     .order_by(m.c.id)
                     .limit(batch_size)
                 ).scalars()
             )
             if not ids:
                 break
-            messages += conn.execute(delete(m).where(m.c.id.in_(ids))).rowcount
-            batches += 1
+            deleted = conn.execute(delete(m).where(m.c.id.in_(ids))).rowcount
+            record(conn, "messages_deleted", deleted)
+        messages += deleted
+        progress()
     if history_before is not None:
         history_cutoff = literal(history_before, a.c.started_at.type)
         while True:
@@ -440,12 +515,10 @@ def purge(
                 )
                 if not ids:
                     break
-                attempts += conn.execute(delete(a).where(a.c.id.in_(ids))).rowcount
-                batches += 1
+                deleted = conn.execute(delete(a).where(a.c.id.in_(ids))).rowcount
+                record(conn, "attempts_deleted", deleted)
+            attempts += deleted
+            progress()
     with engine.begin() as conn:
-        conn.execute(
-            update(outbox_retention_run)
-            .where(outbox_retention_run.c.id == run_id)
-            .values(finished_at=_now(), messages_deleted=messages, attempts_deleted=attempts)
-        )
-    return PurgeResult(messages=messages, attempts=attempts, batches=batches)
+        conn.execute(update(run).where(run.c.id == run_id).values(finished_at=_now()))
+    return PurgeResult(messages=messages, attempts=attempts, batches=batches, run_id=run_id)

@@ -1,0 +1,418 @@
+"""Operations beyond the basics of test_ops_cli.py: the dead count operators alert on, purge under
+interruption and at scale, the purge actor, and the command's answers to awkward input.
+
+CLI behaviour is tested through the installed ``outbox`` console script in a subprocess, on real
+databases, with the helpers (and the seeded messages in every status) of test_ops_cli.py.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import pty
+import re
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_ops_cli
+from sqlalchemy import func, select, text, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import sessionmaker
+from test_ops_cli import FAST, assert_one_line_error, ok, ok_json, outbox_cmd, run, snapshot
+
+import outbox
+from outbox import Outbox, RetryLater, emit, ops
+from outbox.relay import Relay
+
+m, a, runs = outbox.outbox_message, outbox.outbox_attempt, outbox.outbox_retention_run
+
+#: Seven messages in every status (test_ops_cli.py's fixture), on SQLite and PostgreSQL.
+seeded = test_ops_cli.seeded
+
+
+def retention_rows(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(runs).order_by(runs.c.id)))
+
+
+# -- the dead count goes down when an operator acts ------------------------------------------------
+
+
+def test_dead_counts_only_messages_nobody_has_requeued(seeded):
+    engine, url = seeded.engine, seeded.url
+    first, second = seeded.id("order:7"), seeded.id("order:8")
+    assert ok_json(run("stats", "--json", database_url=url))["dead"] == 2
+
+    ok(run("requeue", str(first), "--reason", "billing fixed", database_url=url))
+    stats = ok_json(run("stats", "--json", database_url=url))
+    assert stats["by_status"]["dead"] == 2, "the original stays dead: rows are counted as stored"
+    assert (stats["dead"], stats["dead_requeued"]) == (1, 1)
+    assert ops.stats(engine).dead == 1
+    assert ok(run("stats", database_url=url)).splitlines()[-1] == "dead: 1 (and 1 requeued)"
+
+    # The copy dies too: it is the one waiting for a decision now; the original is still settled.
+    Relay(seeded.ob, engine, queues=["billing"]).run_until_idle()
+    stats = ok_json(run("stats", "--json", database_url=url))
+    assert (stats["by_status"]["dead"], stats["dead"], stats["dead_requeued"]) == (3, 2, 1)
+
+    with engine.connect() as conn:
+        copy = conn.execute(select(m.c.id).where(m.c.requeued_from == first)).scalar_one()
+    ops.discard(engine, ops.MessageFilter(ids=(second, copy)), reason="refunded", actor="t")
+    stats = ok_json(run("stats", "--json", database_url=url))
+    assert (stats["dead"], stats["dead_requeued"]) == (0, 1)
+    assert ok(run("stats", database_url=url)).splitlines()[-1] == "dead: 0 (and 1 requeued)"
+
+    # The guide's plain SQL for the same figure agrees (it runs on both databases).
+    with engine.connect() as conn:
+        assert conn.execute(text(UNRESOLVED_DEAD_SQL)).scalar_one() == 0
+
+
+UNRESOLVED_DEAD_SQL = """
+SELECT count(*) FROM outbox_message m
+ WHERE m.status = 'dead'
+   AND NOT EXISTS (SELECT 1 FROM outbox_message c WHERE c.requeued_from = m.id)
+"""
+
+
+def test_oldest_unfinished_age_sees_a_message_stuck_in_retries(engine):
+    ob = Outbox(default_backoff=FAST)
+    maker = sessionmaker(engine)
+    ob.install(maker)
+
+    @ob.handler("sync.requested", name="crm_sync", queue="crm", max_attempts=50)
+    def crm_sync(msg: outbox.Message) -> None:
+        raise RetryLater("CRM says 503", delay=3600)
+
+    try:
+        with maker.begin() as s:
+            emit(s, "sync.requested", {"account": 1})
+        Relay(ob, engine, queues=["crm"]).run_until_idle()
+        with engine.begin() as conn:  # as if it had been retrying for two hours
+            created = conn.execute(select(m.c.created_at)).scalar_one()
+            conn.execute(update(m).values(created_at=created - timedelta(hours=2)))
+        stats = ops.stats(engine)
+        assert stats.by_status == {"pending": 1}
+        assert stats.oldest_pending_age_s == {}, "not due: the due-age figure cannot see it"
+        assert 7200 <= stats.oldest_unfinished_age_s["crm"] < 7200 + 600
+        assert ok_json(run("stats", "--json", database_url=str(engine.url.render_as_string(False))))[
+            "oldest_unfinished_age_s"
+        ].keys() == {"crm"}
+    finally:
+        ob.uninstall(maker)
+
+
+# -- purge: counts after every batch, the actor, the index ------------------------------------------
+
+
+def deliver_many(engine: Engine, count: int) -> None:
+    ob = Outbox(default_backoff=FAST)
+    maker = sessionmaker(engine)
+    ob.install(maker)
+
+    @ob.handler("ping", name="pong")
+    def pong(msg: outbox.Message) -> None:
+        pass
+
+    try:
+        with maker.begin() as s:
+            for n in range(count):
+                emit(s, "ping", {"n": n})
+        assert Relay(ob, engine).run_until_idle().delivered == count
+    finally:
+        ob.uninstall(maker)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_an_interrupted_purge_leaves_counts_that_say_what_it_deleted(engine):
+    deliver_many(engine, 10)
+    seen: list[tuple[int, int, int, int]] = []
+
+    def after_batch(progress: ops.PurgeResult) -> None:
+        # What any other session can read at this moment: the row and the tables agree.
+        with engine.connect() as conn:
+            row = conn.execute(select(runs).where(runs.c.id == progress.run_id)).one()
+            left = conn.execute(select(func.count()).select_from(m)).scalar_one()
+            history = conn.execute(select(func.count()).select_from(a)).scalar_one()
+        assert row.finished_at is None
+        seen.append((row.messages_deleted, 10 - left, row.attempts_deleted, 10 - history))
+        if progress.attempts >= 4:
+            raise Stop  # the process dies here, between two batches
+
+    with pytest.raises(Stop):
+        ops.purge(
+            engine,
+            delivered_older_than=timedelta(0),
+            history_older_than=timedelta(0),
+            batch_size=4,
+            actor="cron",
+            on_batch=after_batch,
+        )
+    assert seen == [(4, 4, 0, 0), (8, 8, 0, 0), (10, 10, 0, 0), (10, 10, 4, 4)]
+    (row,) = retention_rows(engine)
+    assert (row.actor, row.messages_deleted, row.attempts_deleted, row.finished_at) == ("cron", 10, 4, None)
+
+    # The next run finishes the job and records only its own share.
+    result = ops.purge(engine, delivered_older_than=timedelta(0), history_older_than=timedelta(0))
+    assert (result.messages, result.attempts, result.batches) == (0, 6, 1)
+    last = retention_rows(engine)[-1]
+    assert (last.id, last.actor, last.messages_deleted, last.attempts_deleted) == (
+        result.run_id,
+        "outbox purge",
+        0,
+        6,
+    )
+    assert last.finished_at is not None
+
+
+def test_purge_records_the_actor_given_or_the_login_name(seeded):
+    url = seeded.url
+    ok(run("purge", "--delivered-older-than", "0s", "--actor", "retention-cronjob", database_url=url))
+    ok(run("purge", "--delivered-older-than", "0s", database_url=url))
+    assert [r.actor for r in retention_rows(seeded.engine)] == ["retention-cronjob", getpass.getuser()]
+    with pytest.raises(ops.OpsError, match="actor"):
+        ops.purge(seeded.engine, delivered_older_than=timedelta(days=1), actor=" ")
+
+
+def nameless(tmp_path: Path) -> dict[str, str]:
+    """An environment where the user has no name: no USER/LOGNAME, and no passwd entry for the uid.
+
+    A container running as an arbitrary uid is like that. Running as such a uid needs root and an
+    interpreter that uid may execute, so the passwd lookup is made to fail the way it does there.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("LOGNAME", "USER", "LNAME", "USERNAME")}
+    env = {k: v for k, v in env.items() if not k.startswith("OUTBOX_")}
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import pwd
+
+            def _unknown(uid):
+                raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+            pwd.getpwuid = _unknown
+            """
+        )
+    )
+    env["PYTHONPATH"] = str(tmp_path)
+    return env
+
+
+def test_a_user_without_a_name_is_recorded_by_uid(database_url, engine, tmp_path):
+    """getpass.getuser() fails for a uid with no passwd entry: the audit trail gets uid:<n>, no traceback."""
+    deliver_many(engine, 1)
+    env = nameless(tmp_path)
+    check = subprocess.run(
+        [sys.executable, "-c", "import getpass; getpass.getuser()"], env=env, capture_output=True, text=True
+    )
+    assert "KeyError" in check.stderr, "the environment must really hide the user's name"
+
+    def nameless_run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            outbox_cmd(*args, database_url=database_url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+
+    purged = nameless_run("purge", "--delivered-older-than", "0s")
+    assert purged.returncode == 0, purged.stderr
+    assert purged.stdout.strip() == "purged 1 message(s) and 0 history row(s)"
+    assert [r.actor for r in retention_rows(engine)] == [f"uid:{os.getuid()}"]
+
+    ob = Outbox()
+    ob.route("ping", lambda msg: None, name="later")
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        with maker.begin() as s:
+            emit(s, "ping", {}, delay=3600)
+    finally:
+        ob.uninstall(maker)
+    (pending,) = [r.id for r in ops.list_messages(engine, ops.MessageFilter(status="pending"))]
+    discarded = nameless_run("discard", str(pending), "--reason", "not needed")
+    assert discarded.returncode == 0, discarded.stderr
+    assert ops.show(engine, pending).attempts[-1]["actor"] == f"uid:{os.getuid()}"
+
+
+def test_the_requeued_from_index_serves_purges_anti_join_and_the_foreign_key_check(pg_engine):
+    with pg_engine.connect() as conn:
+        definition = conn.execute(
+            text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_outbox_message_requeued_from'")
+        ).scalar_one()
+    assert definition.endswith("(requeued_from) WHERE (requeued_from IS NOT NULL)"), definition
+
+    # A big table: 50,000 finished messages (a tenth dead) and 500 requeued copies.
+    with pg_engine.begin() as conn:
+        conn.execute(
+            text(
+                """
+                INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload,
+                    headers, status, attempts, max_attempts, available_at, created_at, updated_at)
+                SELECT gen_random_uuid(), 'e', 'h', 'default', 0, '{}', '{}',
+                       CASE WHEN g % 10 = 0 THEN 'dead' ELSE 'delivered' END, 1, 1,
+                       now() - interval '40 days', now() - interval '40 days', now() - interval '40 days'
+                  FROM generate_series(1, 50000) g;
+                INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload,
+                    headers, status, attempts, max_attempts, available_at, created_at, updated_at,
+                    requeued_from)
+                SELECT gen_random_uuid(), 'e', 'h', 'default', 0, '{}', '{}', 'delivered', 1, 1,
+                       now(), now(), now(), g * 10
+                  FROM generate_series(1, 500) g;
+                ANALYZE outbox_message;
+                """
+            )
+        )
+
+    # The statement purge really runs to pick a batch, captured from a real purge of one batch.
+    captured: list[tuple[str, Any]] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
+        if statement.lstrip().startswith("SELECT outbox_message.id") and "EXISTS" in statement:
+            captured.append((statement, parameters))
+
+    def stop(progress: ops.PurgeResult) -> None:
+        raise Stop
+
+    from sqlalchemy import event
+
+    event.listen(pg_engine, "before_cursor_execute", capture)
+    try:
+        with pytest.raises(Stop):
+            ops.purge(pg_engine, delivered_older_than=timedelta(days=30), batch_size=1000, on_batch=stop)
+    finally:
+        event.remove(pg_engine, "before_cursor_execute", capture)
+    ((statement, parameters),) = captured
+    with pg_engine.connect() as conn:
+        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + statement, parameters).scalars())
+        assert "ix_outbox_message_requeued_from" in plan, plan
+        assert not re.search(r"Seq Scan on outbox_message (copy|requeued_copy)", plan), plan
+
+        # The check PostgreSQL runs for the foreign key on every deleted row (ri_triggers.c's query),
+        # planned generically, as the trigger's cached plan is.
+        conn.execute(text("SET plan_cache_mode = force_generic_plan"))
+        conn.execute(
+            text(
+                'PREPARE fk_check(bigint) AS SELECT 1 FROM ONLY "public"."outbox_message" x'
+                ' WHERE "requeued_from" OPERATOR(pg_catalog.=) $1 FOR KEY SHARE OF x'
+            )
+        )
+        fk_plan = "\n".join(conn.execute(text("EXPLAIN EXECUTE fk_check(5)")).scalars())
+    assert "Index Scan using ix_outbox_message_requeued_from" in fk_plan, fk_plan
+
+
+# -- one line, not a traceback ------------------------------------------------------------------------
+
+
+def test_ages_too_long_for_a_date_are_usage_errors(migrated_sqlite):
+    cases = [
+        (["--delivered-older-than", "99999999999d"], ["too long", "999999999d"]),
+        (["--delivered-older-than", "1" + "0" * 400 + "s"], ["too long"]),
+        (["--delivered-older-than", "1000000d"], ["before year 1"]),
+        (["--delivered-older-than", "1d", "--history-older-than", "1000000d"], ["before year 1"]),
+    ]
+    for args, needles in cases:
+        line = assert_one_line_error(run("purge", *args, database_url=migrated_sqlite), 2, *needles)
+        assert line.startswith("outbox purge: error: argument"), line
+    assert retention_rows_of(migrated_sqlite) == 0, "nothing was recorded: the purge never started"
+    with pytest.raises(ops.OpsError, match="before year 1"):
+        ops.purge(create(migrated_sqlite), delivered_older_than=timedelta(days=999_999_999))
+
+
+def create(url: str) -> Engine:
+    from sqlalchemy import create_engine
+
+    return create_engine(url)
+
+
+def retention_rows_of(url: str) -> int:
+    engine = create(url)
+    try:
+        return len(retention_rows(engine))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def migrated_sqlite(sqlite_template: Path, tmp_path: Path) -> str:
+    path = tmp_path / "outbox.db"
+    path.write_bytes(sqlite_template.read_bytes())
+    return f"sqlite:///{path}"
+
+
+def run_on_a_terminal(*args: str, database_url: str, keys: bytes) -> subprocess.CompletedProcess[str]:
+    """The console script with a pseudo-terminal as stdin, typing ``keys`` (b"\\x04" is Ctrl-D)."""
+    controller, terminal = pty.openpty()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        proc = subprocess.Popen(
+            outbox_cmd(*args, database_url=database_url),
+            stdin=terminal,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        os.close(terminal)
+        terminal = -1
+        # A line-discipline EOF waits in the terminal until the prompt reads it.
+        os.write(controller, keys)
+        stdout, stderr = proc.communicate(timeout=60)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        os.close(controller)
+        if terminal != -1:
+            os.close(terminal)
+
+
+def test_ctrl_d_at_the_confirmation_is_no(seeded):
+    before = snapshot(seeded.engine)
+    done = run_on_a_terminal(
+        "discard", "--handler", "monthly_report", "--reason", "r", database_url=seeded.url, keys=b"\x04"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and "Traceback" not in done.stdout
+    assert done.stdout.startswith("discard 1 message(s)? [y/N] ")
+    assert done.stdout.splitlines()[-1] == "nothing done"
+    assert snapshot(seeded.engine) == before
+
+    yes = run_on_a_terminal(
+        "discard", "--handler", "monthly_report", "--reason", "r", database_url=seeded.url, keys=b"y\n"
+    )
+    assert yes.returncode == 0, yes.stderr
+    # What is typed is echoed on the terminal, not into stdout: the answer follows the prompt.
+    assert (
+        yes.stdout == f"discard 1 message(s)? [y/N] 1 message(s) discarded: {seeded.id('report:2026-10')}\n"
+    )
+
+
+def test_a_filter_that_matches_nothing_says_so_without_asking(seeded):
+    url = seeded.url
+    before = snapshot(seeded.engine)
+    nothing_dead = ["--handler", "welcome_email", "--status", "dead"]
+    text_out = ok(run("requeue", *nothing_dead, "--reason", "r", database_url=url))
+    assert text_out == "no message matched the filter; nothing to requeue\n"
+    assert ok_json(run("requeue", *nothing_dead, "--reason", "r", "--json", database_url=url)) == []
+    assert ok(run("discard", "--handler", "no_such_route", "--reason", "r", database_url=url)) == (
+        "no message matched the filter; nothing to discard\n"
+    )
+    assert ok_json(run("discard", "--queue", "mail", "--reason", "r", "--json", database_url=url)) == {
+        "discarded": []
+    }
+    # On a terminal too: no question about zero messages.
+    done = run_on_a_terminal("discard", "--queue", "mail", "--reason", "r", database_url=url, keys=b"y\n")
+    assert (done.returncode, done.stdout) == (0, "no message matched the filter; nothing to discard\n")
+    assert snapshot(seeded.engine) == before
+    # Something to do, no terminal, no --yes: still refused (exit 1), as before.
+    assert_one_line_error(
+        run("discard", "--handler", "monthly_report", "--reason", "r", database_url=url), 1, "--yes"
+    )
