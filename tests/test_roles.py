@@ -1,0 +1,274 @@
+"""The least-privilege roles of docs/operations.md, created from the guide's own SQL, doing their jobs.
+
+The GRANT block is read out of docs/operations.md, so the guide and this test cannot drift.
+Role names are made unique per test (roles are cluster-wide); everything else runs as written.
+Each role then does its job over its own login (the application emits, the relay drains with
+an email handler and a report job, the operator runs the ``outbox`` command) and is refused
+what it must not do.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, func, insert, select, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
+from test_email import start_server
+from test_ops_cli import assert_one_line_error, ok, ok_json, run
+
+import outbox
+from outbox import Backoff, Message, Outbox, PermanentError, emit
+from outbox.integrations.email import EmailHandler, outbox_email_sent
+from outbox.integrations.report import ReportJob, outbox_report_chunk
+from outbox.relay import Relay
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+ROLES = ("outbox_app", "outbox_relay", "outbox_operator")
+m, a = outbox.outbox_message, outbox.outbox_attempt
+
+sales = Table("sales", MetaData(), Column("id", Integer, primary_key=True), Column("region", String(20)))
+
+
+def roles_sql() -> str:
+    """The fenced block of the guide that starts with the least-privilege comment."""
+    blocks = re.findall(r"```sql\n(.*?)```", GUIDE.read_text(), re.S)
+    (block,) = [b for b in blocks if b.startswith("-- Least-privilege roles")]
+    return block
+
+
+@dataclass
+class Roles:
+    names: dict[str, str]
+    urls: dict[str, str]
+    engines: dict[str, Engine]
+
+    def engine(self, role: str) -> Engine:
+        if role not in self.engines:
+            self.engines[role] = create_engine(self.urls[role])
+        return self.engines[role]
+
+
+@pytest.fixture
+def roles(pg_url: str) -> Iterator[Roles]:
+    suffix = uuid.uuid4().hex[:10]
+    names = {role: f"{role}_{suffix}" for role in ROLES}
+    sql = re.sub(r"\b(outbox_app|outbox_relay|outbox_operator)\b", lambda r: names[r.group(1)], roles_sql())
+    assert sql.count("CREATE ROLE") == 3
+    admin = create_engine(pg_url)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(sql)  # the guide's block, as one script
+        # The application's own table, which its reports read: granted by the application, not the guide.
+        sales.create(conn)
+        conn.execute(insert(sales), [{"id": i, "region": f"r{i % 3}"} for i in range(1, 31)])
+        conn.exec_driver_sql(f"GRANT SELECT ON sales TO {names['outbox_app']}, {names['outbox_relay']}")
+    urls = {role: make_url(pg_url).set(username=name).render_as_string(False) for role, name in names.items()}
+    found = Roles(names, urls, {})
+    try:
+        yield found
+    finally:
+        for engine in found.engines.values():
+            engine.dispose()
+        with admin.begin() as conn:
+            for name in names.values():
+                conn.exec_driver_sql(
+                    f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{name}'"
+                )
+                conn.exec_driver_sql(f'DROP OWNED BY "{name}"')  # the grants in this database
+                conn.exec_driver_sql(f'DROP ROLE "{name}"')
+        admin.dispose()
+
+
+def refused(engine: Engine, statement: str, why: str = "permission denied") -> None:
+    with pytest.raises(DBAPIError, match=why), engine.begin() as conn:
+        conn.execute(text(statement))
+
+
+class Shop:
+    """One Outbox for both sides: an email route, a ledger that fails order 2, a sales report."""
+
+    def __init__(self, relay_engine: Engine, smtp_port: int, output: Path) -> None:
+        self.ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+        self.ledger_fixed = False
+        self.ob.route(
+            "user.signed_up",
+            EmailHandler("127.0.0.1", smtp_port, sender="shop@example.com", sent_log=relay_engine),
+            name="welcome_email",
+            queue="mail",
+        )
+
+        @self.ob.handler("order.paid", name="ledger", max_attempts=2)
+        def ledger(msg: Message) -> None:
+            if msg.payload["order_id"] == 2 and not self.ledger_fixed:
+                raise PermanentError("unknown currency XYZ")
+
+        self.report = ReportJob(
+            self.ob,
+            "sales",
+            engine=relay_engine,
+            header=["id", "region"],
+            count=lambda s, params: s.scalar(select(func.count()).select_from(sales)) or 0,
+            rows=lambda s, params, offset, limit: s.execute(
+                select(sales.c.id, sales.c.region).order_by(sales.c.id).offset(offset).limit(limit)
+            ),
+            output_dir=output,
+            chunk_size=10,
+        )
+
+
+def statuses(engine: Engine) -> dict[tuple[str, str | None], str]:
+    with engine.connect() as conn:
+        return {(r.handler, r.idempotency_key): r.status for r in conn.execute(select(m))}
+
+
+def test_the_guides_roles_do_their_jobs_and_nothing_more(roles, pg_engine, request, tmp_path):
+    smtp = start_server(request)
+    app, relay_engine = roles.engine("outbox_app"), roles.engine("outbox_relay")
+    shop = Shop(relay_engine, smtp.port, tmp_path)
+    maker: sessionmaker[Session] = sessionmaker(app)
+    shop.ob.install(maker)
+    request.addfinalizer(lambda: shop.ob.uninstall(maker))
+
+    # -- the application emits, idempotently, and starts a report -----------------------------
+    with maker.begin() as s:
+        emit(
+            s, "user.signed_up", {"to": "ada@example.com", "subject": "Hi", "text": "Welcome"}, key="signup:1"
+        )
+        for order in (1, 2):
+            emit(s, "order.paid", {"order_id": order}, key=f"order:{order}")
+        run_id = shop.report.start(s)
+    with maker.begin() as s:  # the retried request: ON CONFLICT on the key, no error, nothing stored
+        emit(s, "order.paid", {"order_id": 1, "again": True}, key="order:1")
+    with maker.begin() as s:  # due in an hour: the operator discards it below
+        emit(s, "order.paid", {"order_id": 3}, key="order:3", delay=3600)
+    assert len(statuses(pg_engine)) == 1 + 3 + 3  # mail, three orders, three report chunks
+    assert shop.report.progress(run_id).status == "running"
+
+    for statement in (
+        "UPDATE outbox_message SET status = 'delivered'",
+        "DELETE FROM outbox_message",
+        "SELECT payload FROM outbox_message",
+        "SELECT id FROM outbox_attempt",
+        "INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at)"
+        " VALUES (1, 1, 'delivered', now())",
+        "DELETE FROM outbox_attempt",
+        "SELECT id FROM outbox_retention_run",
+        "SELECT message_id FROM outbox_email_sent",
+        "UPDATE outbox_report_run SET status = 'complete'",
+    ):
+        refused(app, statement)
+
+    # -- the relay drains: email with its sent-log, the ledger, the report's chunks ------------
+    # One claim first whose relay "crashes": the drain recovers its lease (a lease_expired row).
+    crashed = Relay(shop.ob, relay_engine, lease=0.05).store.claim("default", ["ledger"], 1)
+    assert len(crashed) == 1
+    time.sleep(0.1)
+    result = Relay(shop.ob, relay_engine).run_until_idle()
+    assert (result.delivered, result.dead, result.recovered) == (5, 1, 1)
+    assert statuses(pg_engine) == {
+        ("welcome_email", "signup:1"): "delivered",
+        ("ledger", "order:1"): "delivered",
+        ("ledger", "order:2"): "dead",
+        ("ledger", "order:3"): "pending",
+        **{("report.sales", f"report:{run_id}:{chunk}"): "delivered" for chunk in range(3)},
+    }
+    assert [r.rcpt_tos for r in smtp.script.received] == [["ada@example.com"]]
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(outbox_email_sent)).scalar_one() == 1
+        assert conn.execute(select(func.count()).select_from(outbox_report_chunk)).scalar_one() == 3
+    progress = shop.report.progress(run_id)
+    assert progress.status == "complete" and progress.row_count == 30
+
+    for statement in (
+        "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
+        " max_attempts, available_at, created_at, updated_at)"
+        " VALUES (gen_random_uuid(), 'e', 'h', 'q', 0, '{}', '{}', 1, now(), now(), now())",
+        "DELETE FROM outbox_message",
+        "UPDATE outbox_attempt SET reason = 'rewritten'",
+        "DELETE FROM outbox_attempt",
+        "TRUNCATE outbox_attempt",
+        "SELECT id FROM outbox_retention_run",
+        "DELETE FROM outbox_email_sent",
+        "DELETE FROM outbox_report_run",
+    ):
+        refused(relay_engine, statement)
+
+    # -- the operator runs the outbox command over its own login --------------------------------
+    url = roles.urls["outbox_operator"]
+    ids = {key: i for (_, key), i in _ids(pg_engine).items()}
+    dead, later, mail = ids["order:2"], ids["order:3"], ids["signup:1"]
+
+    stats = ok_json(run("stats", "--json", database_url=url))
+    assert stats["dead"] == 1 and stats["by_status"]["delivered"] == 5
+    shown = ok_json(run("show", str(dead), "--json", database_url=url))
+    assert [h["outcome"] for h in shown["attempts"]] == ["dead"]
+    assert str(dead) in ok(run("list", "--status", "dead", database_url=url))
+
+    out = ok(run("requeue", str(dead), "--reason", "XYZ added", "--actor", "alice", database_url=url))
+    (copy,) = map(int, re.findall(rf"^requeued {dead} as (\d+)$", out, re.M))
+    ok(run("discard", str(later), "--reason", "order cancelled", "--actor", "alice", database_url=url))
+    assert ok_json(run("stats", "--json", database_url=url))["dead"] == 0
+
+    shop.ledger_fixed = True
+    assert Relay(shop.ob, relay_engine).run_until_idle().delivered == 1
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(m.c.status).where(m.c.id == copy)).scalar_one() == "delivered"
+        history_rows = conn.execute(select(func.count()).select_from(a)).scalar_one()
+
+    for statement in ("UPDATE outbox_attempt SET reason = 'rewritten'", "TRUNCATE outbox_attempt"):
+        refused(roles.engine("outbox_operator"), statement)
+    # The grant allows DELETE for purge; outside purge the append-only trigger still refuses it.
+    refused(roles.engine("outbox_operator"), "DELETE FROM outbox_attempt", "append-only")
+
+    purged = ok_json(
+        run(
+            "purge",
+            "--delivered-older-than",
+            "0s",
+            "--history-older-than",
+            "0s",
+            "--json",
+            "--actor",
+            "retention-job",
+            database_url=url,
+        )
+    )
+    # Every delivered or discarded message except the requeued original (dead, kept for the record).
+    assert purged == {"messages": 7, "attempts": history_rows, "batches": 2}
+    assert set(_ids(pg_engine).values()) == {dead}
+    with pg_engine.connect() as conn:
+        (retention,) = conn.execute(select(outbox.outbox_retention_run)).all()
+    assert (retention.actor, retention.messages_deleted, retention.attempts_deleted) == (
+        "retention-job",
+        7,
+        history_rows,
+    )
+    assert retention.finished_at is not None
+    assert mail not in _ids(pg_engine).values()
+
+    # The operator's grants end at the outbox tables: the application's own data is not theirs.
+    assert_one_line_error(run("show", "999999", database_url=url), 1, "no message with id 999999")
+    refused(roles.engine("outbox_operator"), "SELECT id FROM sales")
+    refused(roles.engine("outbox_operator"), "UPDATE outbox_report_run SET status = 'failed'")
+
+
+def _ids(engine: Engine) -> dict[tuple[str, str | None], int]:
+    with engine.connect() as conn:
+        return {(r.handler, r.idempotency_key): r.id for r in conn.execute(select(m))}
+
+
+def test_the_guides_block_is_the_one_this_test_runs():
+    """A guard for the extraction itself: three roles, only GRANT/CREATE ROLE, and no superpowers."""
+    sql = roles_sql()
+    statements = [s.strip() for s in re.sub(r"--[^\n]*", "", sql).split(";") if s.strip()]
+    assert all(s.startswith(("CREATE ROLE", "GRANT")) for s in statements), statements
+    assert not re.search(r"SUPERUSER|BYPASSRLS|CREATEROLE|ALL PRIVILEGES|TRUNCATE|OWNER", sql)
+    for role in ROLES:
+        assert f"CREATE ROLE {role} LOGIN;" in sql
