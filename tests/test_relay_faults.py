@@ -21,7 +21,7 @@ from typing import Any
 import pgcluster
 import pytest
 from relayproc import APPS, RelayProcess, wait_until
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import create_engine, func, select, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
@@ -446,6 +446,102 @@ def test_a_second_sigterm_during_the_grace_period_cancels_and_exits_promptly(
     assert [(h.outcome, h.error_type) for h in history(pg_engine)] == [("failed", "Cancelled")]
     assert deliveries(pg_engine) == Counter()
     assert relay.actions("cancel")
+
+
+def test_shutdown_hands_back_unstarted_claims_at_once_and_a_rival_delivers_them_without_a_lost_attempt(
+    pg_engine, pg_url, emitter, spawn, tmp_path
+):
+    """A lease shorter than the grace period: unstarted claims must not wait for the grace period to end.
+
+    Held until then (and not renewed), they would expire under a rival relay, which would record
+    ``lease_expired`` and charge an attempt for work that never ran.
+    """
+    started = tmp_path / "started"
+    started.mkdir()
+    gate = tmp_path / "gate"  # the in-flight delivery finishes only when the test creates it
+    with pg_engine.begin() as conn:
+        conn.execute(text(_SLOW_CLAIM))
+    emitter(1)
+    graceful = spawn(
+        pg_url,
+        *("--concurrency", "3", "--lease", "1", "--grace-period", "30", "--relay-id", "graceful"),
+        COUNTING_GATE=str(gate),
+        COUNTING_STARTED_DIR=str(started),
+    )
+    (in_flight,) = wait_until(lambda: started_markers(started), "a handler to start", relays=[graceful])
+    emitter(2, slow_claim="yes")
+    wait_until(
+        lambda: running_for(pg_engine, "graceful") == {in_flight} and _claim_sleeping(pg_engine),
+        "the relay's claim of the next two to be under way",
+        relays=[graceful],
+    )
+
+    graceful.signal(signal.SIGTERM)
+    wait_until(lambda: graceful.actions("release"), "the unstarted claims handed back", relays=[graceful])
+    assert "released 2 unstarted message(s)" in [r["message"] for r in graceful.actions("release")]
+    with pg_engine.connect() as conn:
+        rows = {r.id: r for r in conn.execute(select(m))}
+    released = set(rows) - {in_flight}
+    assert {(rows[i].status, rows[i].attempts, rows[i].locked_by) for i in released} == {("pending", 0, None)}
+    assert (rows[in_flight].status, rows[in_flight].locked_by) == ("running", "graceful")
+
+    with pg_engine.begin() as conn:  # its work is done; a rival's 1 s lease must not start out lapsed
+        conn.execute(text("DROP TRIGGER slow_claim ON outbox_message"))
+    rival = spawn(pg_url, "--lease", "1", "--poll-interval", "0.2", "--relay-id", "rival")
+    wait_until(
+        lambda: released <= set(deliveries(pg_engine)), "the rival to deliver them", relays=[graceful, rival]
+    )
+    # Still shutting down, its delivery held at the gate: the hand-back did not wait for it.
+    assert graceful.alive() and started_markers(started) == {in_flight}
+    gate.touch()
+    assert graceful.wait(30) == 0, graceful.tail()
+    wait_until(all_delivered(pg_engine, 3), "the in-flight delivery recorded", relays=[rival])
+
+    with pg_engine.connect() as conn:
+        by_pid = dict(conn.execute(select(log_table.c.message_id, log_table.c.relay_pid)).all())
+    assert by_pid == {in_flight: graceful.pid, **dict.fromkeys(released, rival.pid)}
+    attempts = sorted((h.message_id, h.attempt, h.outcome, h.relay_id) for h in history(pg_engine))
+    assert attempts == sorted(
+        [(in_flight, 1, "delivered", "graceful"), *((i, 1, "delivered", "rival") for i in released)]
+    ), "a released message's only history row is its delivery: no lease_expired, no attempt charged"
+    assert rival.actions("lease_expired") == []
+
+
+def test_a_forced_stop_on_the_last_attempt_makes_the_message_dead(
+    pg_engine, pg_url, emitter, spawn, tmp_path
+):
+    started = tmp_path / "started"
+    started.mkdir()
+    emitter(2)
+    with pg_engine.begin() as conn:
+        last, spare = sorted(conn.execute(select(m.c.id)).scalars())
+        # Two failures behind it already: the claim makes this its last attempt.
+        conn.execute(update(m).where(m.c.id == last).values(attempts=counting_app.MAX_ATTEMPTS - 1))
+    relay = spawn(
+        pg_url,
+        *("--concurrency", "2", "--grace-period", "60"),
+        COUNTING_GATE=str(tmp_path / "never"),
+        COUNTING_STARTED_DIR=str(started),
+    )
+    wait_until(lambda: started_markers(started) == {last, spare}, "both handlers to start", relays=[relay])
+
+    relay.signal(signal.SIGTERM)
+    wait_until(lambda: relay.actions("drain"), "the relay to wait for its deliveries", relays=[relay])
+    relay.signal(signal.SIGTERM)
+    assert relay.wait(15) == 0, relay.tail()
+
+    with pg_engine.connect() as conn:
+        rows = {r.id: r for r in conn.execute(select(m))}
+    tried = {h.message_id: h for h in history(pg_engine)}
+    assert (rows[last].status, rows[last].attempts, rows[last].locked_by) == ("dead", 3, None)
+    assert (tried[last].attempt, tried[last].outcome, tried[last].error_type) == (3, "dead", "Cancelled")
+    assert tried[last].detail["exhausted"] is True
+    # The control: cancelled with attempts to spare, a message is due again.
+    assert (rows[spare].status, rows[spare].attempts, rows[spare].locked_by) == ("pending", 1, None)
+    assert (tried[spare].attempt, tried[spare].outcome, tried[spare].error_type) == (1, "failed", "Cancelled")
+    assert len(history(pg_engine)) == 2
+    assert [r["message_id"] for r in relay.actions("dead")] == [last]
+    assert deliveries(pg_engine) == Counter()
 
 
 # -- poison --------------------------------------------------------------------------------------------
