@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from relayproc import wait_until
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -52,6 +57,24 @@ def statuses(engine: Engine) -> dict[str, str]:
 def history(engine: Engine) -> list[Any]:
     with engine.connect() as conn:
         return list(conn.execute(select(a).order_by(a.c.id)))
+
+
+def clock(engine: Engine) -> datetime:
+    """ "Now" as the relay sees it: the server's clock on PostgreSQL, this host's UTC clock on SQLite."""
+    if engine.dialect.name != "postgresql":
+        return datetime.now(UTC)
+    with engine.connect() as conn:
+        return conn.execute(select(func.now())).scalar_one()
+
+
+def leases(engine: Engine) -> list[datetime]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(m.c.locked_until).where(m.c.status == "running")).scalars())
+
+
+def all_leases_expired(engine: Engine) -> bool:
+    held = leases(engine)
+    return bool(held) and max(held) < clock(engine)
 
 
 def test_delivers_each_route_and_records_every_attempt(engine, ob, maker):
@@ -246,10 +269,20 @@ def test_rows_for_routes_this_relay_does_not_know_stay_pending(engine, ob, maker
     ob.route("e", lambda msg: None, name="known")
     ob.route("e", lambda msg: None, name="only_in_new_deploy")
     emit_many(maker, "e", [{"n": 1}])
+    emit_many(maker, "e", [{"n": 2}])
     old_deploy = Outbox()
     old_deploy.route("e", lambda msg: None, name="known")
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
     Relay(old_deploy, engine).run_until_idle()
-    assert statuses(engine) == {"known:1": "delivered", "only_in_new_deploy:1": "pending"}
+    assert statuses(engine) == {
+        "known:1": "delivered",
+        "only_in_new_deploy:1": "pending",
+        "known:2": "delivered",
+        "only_in_new_deploy:2": "pending",
+    }
+    unknown = [r for r in caplog.records if getattr(r, "action", None) == "unknown_handler"]
+    assert [(r.levelname, r.handler, r.count) for r in unknown] == [("WARNING", "only_in_new_deploy", 2)]
+    assert "'only_in_new_deploy'" in unknown[0].getMessage() and "2 pending" in unknown[0].getMessage()
 
 
 def test_messages_emitted_for_another_queue_are_claimed_by_an_all_queue_relay_only(engine, ob, maker):
@@ -277,18 +310,30 @@ def test_expired_lease_is_recovered_and_recorded(engine, ob, maker):
 
 
 def test_long_handler_keeps_its_lease(engine, ob, maker):
-    @ob.handler("e", name="slow", timeout=5)
-    async def slow(msg):
-        await asyncio.sleep(0.6)
+    started = threading.Event()
+    finish = threading.Event()
+
+    @ob.handler("e", name="slow", timeout=30)
+    def slow(msg):
+        started.set()
+        finish.wait(20)  # held by the test until it has seen the first lease lapse
 
     emit_many(maker, "e", [{"n": 1}])
-    relay = Relay(ob, engine, lease=0.3, relay_id="live")
-    rival = Relay(ob, engine, lease=0.3, relay_id="rival")
+    relay = Relay(ob, engine, lease=1, relay_id="live")
+    rival = Relay(ob, engine, lease=1, relay_id="rival")
     thread = threading.Thread(target=relay.run_until_idle)
     thread.start()
-    time.sleep(0.45)  # past one lease length: only renewals keep the claim
-    assert rival.store.recover_expired({}, __import__("random").Random()) == []
-    thread.join()
+    try:
+        assert started.wait(10), "the handler never started"
+        (first,) = leases(engine)
+        wait_until(lambda: clock(engine) > first, "the first lease to run out")
+        # Past one lease length, the handler still running: only renewals keep the claim.
+        assert rival.store.recover_expired({}, random.Random()) == []
+        (renewed,) = leases(engine)
+        assert renewed > first and thread.is_alive()
+    finally:
+        finish.set()
+        thread.join(10)
     assert [(h.outcome, h.relay_id) for h in history(engine)] == [("delivered", "live")]
 
 
@@ -321,6 +366,206 @@ def test_stop_releases_unstarted_claims_without_counting_an_attempt(engine, ob, 
     assert rows[0].status == "delivered"
     assert {(rows[n].status, rows[n].attempts, rows[n].locked_by) for n in (1, 2)} == {("pending", 0, None)}
     assert [h.message_id for h in history(engine)] == [rows[0].id]
+
+
+def test_a_forced_stop_on_the_last_attempt_makes_the_message_dead(engine, ob, maker):
+    started: Counter[str] = Counter()
+
+    async def hang(msg):
+        started[msg.handler] += 1
+        await asyncio.sleep(60)
+
+    ob.route("e", hang, name="last_try", max_attempts=1)
+    ob.route("e", hang, name="spare", max_attempts=2)  # the control: a cancelled attempt with one to spare
+    emit_many(maker, "e", [{"n": 1}])
+    relay = Relay(ob, engine, grace_period=60, listen=False)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        wait_until(lambda: started == Counter(last_try=1, spare=1), "both handlers to start")
+    finally:
+        relay.stop(graceful=False)
+        thread.join(10)
+    assert not thread.is_alive()
+
+    assert statuses(engine) == {"last_try:1": "dead", "spare:1": "pending"}
+    with engine.connect() as conn:
+        names = dict(conn.execute(select(m.c.id, m.c.handler)).all())
+        rows = {r.handler: r for r in conn.execute(select(m))}
+    tried = {names[h.message_id]: (h.attempt, h.outcome, h.error_type) for h in history(engine)}
+    assert tried == {"last_try": (1, "dead", "Cancelled"), "spare": (1, "failed", "Cancelled")}
+    assert (rows["last_try"].attempts, rows["last_try"].locked_by) == (1, None)
+    assert "may or may not have taken effect" in rows["last_try"].last_error
+
+
+def test_stop_before_run_or_before_its_loop_is_up_still_stops_the_relay(engine, ob, maker):
+    ob.route("e", lambda msg: None, name="r")
+    emit_many(maker, "e", [{"n": 1}])
+
+    stopped_first = Relay(ob, engine, poll_interval=600, listen=False)
+    stopped_first.stop()  # before run() at all
+    thread = threading.Thread(target=stopped_first.run)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "a stop() that came before run() was lost: the relay serves on"
+    assert statuses(engine) == {"r:1": "pending"}, "a relay stopped before it ran claims nothing"
+
+    for _ in range(5):  # stop() as the thread starts: usually before the loop exists, sometimes after
+        relay = Relay(ob, engine, poll_interval=600, listen=False)
+        thread = threading.Thread(target=relay.run)
+        thread.start()
+        relay.stop()
+        thread.join(20)
+        assert not thread.is_alive(), "a stop() right after starting run() was lost"
+
+    # The control: a relay nobody stops serves, and the early stops did not leak into it.
+    serving = Relay(ob, engine, poll_interval=600, listen=False)
+    thread = threading.Thread(target=serving.run)
+    thread.start()
+    try:
+        wait_until(lambda: statuses(engine) == {"r:1": "delivered"}, "an unstopped relay to deliver")
+        assert thread.is_alive()
+    finally:
+        serving.stop()
+        thread.join(20)
+    assert not thread.is_alive()
+
+
+def test_relay_started_and_relay_stopped_are_sent_once_each_in_order(engine, ob):
+    ob.route("e", lambda msg: None, name="r")
+    got: list[tuple[str, Any]] = []
+    up = threading.Event()
+
+    def on_started(sender, relay):
+        got.append(("started", relay))
+        up.set()
+
+    def on_stopped(sender, relay):
+        got.append(("stopped", relay))
+
+    signals.relay_started.connect(on_started, sender=ob)
+    signals.relay_stopped.connect(on_stopped, sender=ob)
+    try:
+        relay = Relay(ob, engine, poll_interval=600, listen=False)
+        thread = threading.Thread(target=relay.run)
+        thread.start()
+        try:
+            assert up.wait(10), "relay_started never came"
+            assert got == [("started", relay)]
+        finally:
+            relay.stop()
+            thread.join(10)
+    finally:
+        signals.relay_started.disconnect(on_started, sender=ob)
+        signals.relay_stopped.disconnect(on_stopped, sender=ob)
+    assert got == [("started", relay), ("stopped", relay)]
+
+
+def test_relay_stopped_is_sent_when_serving_fails_after_it_started(engine, ob, maker):
+    ob.route("e", lambda msg: None, name="r")
+    emit_many(maker, "e", [{"n": 1}])
+    got: list[str] = []
+
+    def on_started(sender, relay):
+        got.append("started")
+
+    def on_stopped(sender, relay):
+        got.append("stopped")
+
+    def broken_receiver(sender, relay, messages):
+        raise RuntimeError("a receiver bug")
+
+    signals.relay_started.connect(on_started, sender=ob)
+    signals.relay_stopped.connect(on_stopped, sender=ob)
+    signals.message_claimed.connect(broken_receiver, sender=ob)
+    try:
+        with pytest.raises(RuntimeError, match="a receiver bug"):
+            Relay(ob, engine, poll_interval=600, listen=False).run()
+    finally:
+        signals.relay_started.disconnect(on_started, sender=ob)
+        signals.relay_stopped.disconnect(on_stopped, sender=ob)
+        signals.message_claimed.disconnect(broken_receiver, sender=ob)
+    assert got == ["started", "stopped"], "whoever saw the relay start must see it stop"
+
+
+def test_lease_recovery_announces_a_retry_or_a_death(engine, ob, maker):
+    ob.route("e", lambda msg: None, name="retries", max_attempts=3)
+    ob.route("e", lambda msg: None, name="last_try", max_attempts=1)
+    emit_many(maker, "e", [{"n": 1}])
+    crashed = Relay(ob, engine, relay_id="crashed", lease=0.05)
+    assert len(crashed.store.claim("default", ["last_try", "retries"], 10)) == 2  # then it "dies"
+    wait_until(lambda: all_leases_expired(engine), "the crashed relay's leases to run out")
+
+    retries: list[tuple[str, str, int, float, str]] = []
+    deaths: list[tuple[str, int, str]] = []
+
+    def on_retry(sender, relay, message, outcome, delay, error):
+        retries.append((message.handler, outcome, message.attempt, delay, error))
+
+    def on_dead(sender, relay, message, error):
+        deaths.append((message.handler, message.attempt, error))
+
+    signals.retry_scheduled.connect(on_retry, sender=ob)
+    signals.message_dead.connect(on_dead, sender=ob)
+    try:
+        result = Relay(ob, engine, relay_id="rescuer").run_until_idle()
+    finally:
+        signals.retry_scheduled.disconnect(on_retry, sender=ob)
+        signals.message_dead.disconnect(on_dead, sender=ob)
+
+    assert result.recovered == 2
+    [(handler, outcome, attempt, delay, error)] = [r for r in retries if r[1] == "lease_expired"]
+    assert (handler, attempt) == ("retries", 1) and 0 <= delay <= FAST.ceiling(1)
+    assert "crashed" in error and "expired" in error
+    [(handler, attempt, error)] = deaths
+    assert (handler, attempt) == ("last_try", 1) and "crashed" in error and "expired" in error
+    assert statuses(engine)["last_try:1"] == "dead"
+    with engine.connect() as conn:
+        names = dict(conn.execute(select(m.c.id, m.c.handler)).all())
+    expired = [(names[h.message_id], h.relay_id) for h in history(engine) if h.outcome == "lease_expired"]
+    assert sorted(expired) == [("last_try", "crashed"), ("retries", "crashed")]
+
+
+def test_queue_concurrency_caps_one_queue_while_the_others_flow(engine, ob, maker):
+    lock = threading.Lock()
+    running: Counter[str] = Counter()
+    peak: Counter[str] = Counter()
+    began: Counter[str] = Counter()
+    go = threading.Event()
+
+    @ob.handler("job", name="probe", timeout=30)
+    def probe(msg):
+        queue = msg.payload["queue"]
+        with lock:
+            running[queue] += 1
+            began[queue] += 1
+            peak[queue] = max(peak[queue], running[queue])
+        try:
+            go.wait(20)
+        finally:
+            with lock:
+                running[queue] -= 1
+
+    with maker() as s, s.begin():
+        for n in range(6):
+            emit(s, "job", {"queue": "bulk", "n": n}, queue="bulk")
+        for n in range(6, 10):
+            emit(s, "job", {"queue": "mail", "n": n}, queue="mail")
+    relay = Relay(ob, engine, concurrency=10, queue_concurrency={"bulk": 2}, listen=False)
+    thread = threading.Thread(target=relay.run_until_idle)
+    thread.start()
+    try:
+        # Evidence first: all of mail and the capped two of bulk are running together.
+        wait_until(lambda: began["mail"] == 4 and began["bulk"] >= 2, "mail and bulk deliveries to start")
+    finally:
+        go.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert set(statuses(engine).values()) == {"delivered"}
+    assert began == Counter(bulk=6, mail=4)
+    assert peak == Counter(bulk=2, mail=4), (
+        "never more than 2 of bulk at once, while all of mail ran together"
+    )
 
 
 def test_signals_report_claims_deliveries_retries_and_deaths(engine, ob, maker):
@@ -361,18 +606,20 @@ def test_signals_report_claims_deliveries_retries_and_deaths(engine, ob, maker):
 
 
 def test_embedded_relay_wakes_on_its_own_commits_without_waiting_for_the_poll(engine, ob, maker):
-    done = threading.Event()
-    ob.route("e", lambda msg: done.set(), name="r")
-    relay = Relay(ob, engine, poll_interval=30, listen=False)
+    delivered = {1: threading.Event(), 2: threading.Event()}
+    ob.route("e", lambda msg: delivered[msg.payload["n"]].set(), name="r")
+    emit_many(maker, "e", [{"n": 1}])  # found by the first claim round; after it the relay sleeps
+    relay = Relay(ob, engine, poll_interval=600, listen=False)
     thread = threading.Thread(target=relay.run)
     thread.start()
     try:
-        time.sleep(0.3)  # the relay has made its first (empty) claim and sleeps for 30 s
-        emit_many(maker, "e", [{"n": 1}])
-        assert done.wait(10), "the commit signal should wake the relay long before its 30 s poll"
+        assert delivered[1].wait(10), "the first claim round never delivered"
+        emit_many(maker, "e", [{"n": 2}])
+        assert delivered[2].wait(20), "the commit signal should wake the relay long before its 600 s poll"
     finally:
         relay.stop()
         thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_bad_relay_configuration_fails_at_construction(engine, ob):
