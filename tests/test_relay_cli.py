@@ -1,13 +1,15 @@
 """The ``outbox-relay`` command as users run it: a subprocess, its exit code, what it prints.
 
 Exit codes: 0 clean stop or ``--once`` drained, 1 database unreachable or not migrated, 2 bad usage
-or an ``--app`` that cannot be loaded. User mistakes get one line, never a traceback.
+or an ``--app`` that cannot be loaded, 130 ``--once`` interrupted by Ctrl-C. User mistakes get one
+line, never a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from relayproc import APPS, relay_command, relay_env
+from relayproc import APPS, RelayProcess, relay_command, relay_env, wait_until
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import sessionmaker
@@ -27,32 +29,41 @@ sys.path.insert(0, str(APPS))
 import counting_app  # noqa: E402  (the module the relay subprocesses serve)
 
 m = outbox.outbox_message
+a = outbox.outbox_attempt
 
 APP = "counting_app:ob"
 
 
-def run_relay(*args: str, cwd: Path, database_url: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_relay(
+    *args: str, cwd: Path, database_url: str | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*relay_command(), *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=cwd,
-        env=relay_env(database_url),
+        env=relay_env(database_url, **env),
         stdin=subprocess.DEVNULL,
     )
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
-    """The exit code, no traceback, and exactly one line saying what went wrong (usage may precede it)."""
+def assert_one_line_error(
+    result: subprocess.CompletedProcess[str], code: int, *needles: str, usage: bool = False
+) -> str:
+    """The exit code, no traceback, and stderr exactly one line saying what went wrong.
+
+    A usage error (``usage=True``) points at ``--help`` instead of printing argparse's usage block.
+    """
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
-    problem = lines[-1]
+    assert len(lines) == 1, result.stderr
+    (problem,) = lines
     assert problem.startswith("outbox-relay: "), result.stderr
-    assert [line for line in lines if line.startswith("outbox-relay")] == [problem], result.stderr
-    if len(lines) > 1:  # argparse's usage text, and nothing else
-        assert lines[0].startswith("usage: outbox-relay"), result.stderr
+    if usage:
+        assert problem.startswith("outbox-relay: error: "), problem
+        assert problem.endswith("(see outbox-relay --help)"), problem
     for needle in needles:
         assert needle in problem, problem
     return problem
@@ -75,6 +86,10 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
         (["--app", APP, "--database-url", "sqlite://", "--poll-interval", "-1"], "--poll-interval"),
         (["--app", APP, "--database-url", "sqlite://", "--frobnicate"], "--frobnicate"),
         (["--app", APP, "--database-url", "no-such-scheme"], "not a SQLAlchemy database URL"),
+        (["--app", APP, "--database-url", "sqlite://", "--queue-concurrency", "reports"], "QUEUE=N"),
+        (["--app", APP, "--database-url", "sqlite://", "--queue-concurrency", "reports=0"], ">= 1"),
+        (["--app", APP, "--database-url", "sqlite://", "--queue-concurrency", "=3"], "QUEUE=N"),
+        (["--app", APP, "--database-url", "sqlite://", "--queue-concurrency", "reports=two"], "'two'"),
     ],
     ids=[
         "no-app",
@@ -84,10 +99,22 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
         "negative-poll",
         "unknown-flag",
         "bad-url",
+        "queue-cap-no-number",
+        "queue-cap-zero",
+        "queue-cap-no-queue",
+        "queue-cap-text",
     ],
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path, args, needle):
-    assert_one_line_error(run_relay(*args, cwd=tmp_path), 2, "error:", needle)
+    assert_one_line_error(run_relay(*args, cwd=tmp_path), 2, needle, usage=True)
+
+
+@pytest.mark.parametrize("value", ["reports", "reports=2,mail=0", "=3"])
+def test_a_bad_queue_concurrency_from_the_environment_exits_2_with_one_line(tmp_path, value):
+    result = run_relay(
+        "--app", APP, "--database-url", "sqlite://", cwd=tmp_path, OUTBOX_QUEUE_CONCURRENCY=value
+    )
+    assert_one_line_error(result, 2, "OUTBOX_QUEUE_CONCURRENCY", usage=True)
 
 
 @pytest.mark.parametrize(
@@ -183,3 +210,92 @@ def test_json_logs_are_one_object_per_line_each_with_an_action(sqlite_url, tmp_p
     assert all(isinstance(r["message_id"], int) and r["level"] == "info" for r in delivered)
     (summary,) = [r for r in records if r["action"] == "drained"]
     assert (summary["delivered"], summary["retried"], summary["dead"]) == (2, 0, 0)
+
+
+def _emit_probes(engine, queues: dict[str, int]) -> None:
+    factory = sessionmaker(engine)
+    counting_app.ob.install(factory)
+    try:
+        with factory() as s, s.begin():
+            for queue, count in queues.items():
+                for _ in range(count):
+                    emit(s, counting_app.PROBE_EVENT, {"queue": queue}, queue=queue)
+    finally:
+        counting_app.ob.uninstall(factory)
+
+
+def _probe_starts(directory: Path, queue: str) -> int:
+    return len(list(directory.glob(f"started-{queue}-*")))
+
+
+@pytest.mark.parametrize("source", ["flag", "env"])
+def test_queue_concurrency_caps_one_queue_while_the_others_flow(engine, database_url, tmp_path, source):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    _emit_probes(engine, {"reports": 6, "mail": 4})
+    cap = ("--queue-concurrency", "reports=2") if source == "flag" else ()
+    env = {"OUTBOX_QUEUE_CONCURRENCY": "reports=2"} if source == "env" else {}
+    relay = RelayProcess(
+        database_url,
+        ["--concurrency", "10", "--poll-interval", "0.2", *cap],
+        log_path=tmp_path / "relay.log",
+        env={"COUNTING_PROBE_DIR": str(probe), **env},
+    )
+    try:
+        # Evidence first: all of mail and the capped two of reports are held running together.
+        wait_until(
+            lambda: _probe_starts(probe, "mail") == 4 and _probe_starts(probe, "reports") >= 2,
+            "mail and reports deliveries to start",
+            relays=[relay],
+        )
+        (probe / "go").touch()
+        wait_until(
+            lambda: _statuses(engine) == {"delivered"} and _probe_starts(probe, "reports") == 6,
+            "every probe delivered",
+            relays=[relay],
+        )
+        relay.signal(signal.SIGTERM)
+        assert relay.wait(20) == 0, relay.tail()
+    finally:
+        relay.kill()
+    peaks = {q: int((probe / f"peak-{q}").read_text()) for q in ("reports", "mail")}
+    assert peaks == {"reports": 2, "mail": 4}, "never more than 2 of reports at once; all of mail together"
+
+
+def _statuses(engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(conn.execute(select(m.c.status)).scalars())
+
+
+def test_once_interrupted_by_ctrl_c_exits_130_with_one_line_and_hands_the_message_back(
+    engine, database_url, tmp_path
+):
+    counting_app.delivery_log.create(engine)
+    _emit(engine, range(1))
+    started = tmp_path / "started"
+    started.mkdir()
+    relay = RelayProcess(
+        database_url,
+        # The CLI's own line is the subject; ERROR keeps the relay's warning about the cancel off stderr.
+        ["--once", "--log-format", "text", "--log-level", "ERROR"],
+        log_path=tmp_path / "relay.log",
+        env={"COUNTING_GATE": str(tmp_path / "never"), "COUNTING_STARTED_DIR": str(started)},
+    )
+    try:
+        wait_until(lambda: list(started.iterdir()), "the handler to start", relays=[relay])
+        relay.signal(signal.SIGINT)
+        assert relay.wait(30) == 130, relay.tail()
+    finally:
+        relay.kill()
+    output = relay.text()
+    assert "Traceback" not in output, output
+    assert output.strip().splitlines() == [
+        "outbox-relay: interrupted; unfinished messages were handed back (or return when their lease ends)"
+    ]
+    with engine.connect() as conn:
+        row = conn.execute(select(m)).one()
+        tried = [(h.attempt, h.outcome, h.error_type) for h in conn.execute(select(a))]
+        effects = conn.execute(select(counting_app.delivery_log)).all()
+    assert (row.status, row.attempts, row.locked_by, row.locked_until) == ("pending", 1, None, None)
+    assert tried == [(1, "failed", "Cancelled")], "the interrupted attempt is on record, not left running"
+    assert effects == []
