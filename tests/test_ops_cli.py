@@ -90,21 +90,24 @@ def ok_json(result: subprocess.CompletedProcess[str]) -> Any:
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
-    """The exit code, no traceback, nothing on stdout, one line saying what is wrong.
+    """The exit code, no traceback, nothing on stdout, and stderr exactly one line saying what is wrong.
 
-    Argparse's usage text may precede that line; nothing else may.
+    A usage error keeps argparse's ``prog: error: ...`` form but not its usage block: it points at
+    that command's ``--help`` instead.
     """
     assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
     assert result.stdout == "", result.stdout
     lines = result.stderr.strip().splitlines()
-    usage = lines[0].startswith("usage: outbox") if lines else False
-    said = [line for i, line in enumerate(lines) if not (usage and (i == 0 or line.startswith(" ")))]
-    assert len(said) == 1, result.stderr
-    assert said[0] == lines[-1] and said[0].startswith("outbox"), result.stderr
+    assert len(lines) == 1, result.stderr
+    (said,) = lines
+    assert said.startswith("outbox"), result.stderr
+    prog, usage_error, _ = said.partition(": error: ")
+    if usage_error:
+        assert said.endswith(f"(see {prog} --help)"), said
     for needle in needles:
-        assert needle in said[0], said[0]
-    return said[0]
+        assert needle in said, said
+    return said
 
 
 # -- the messages ---------------------------------------------------------------------------------
