@@ -1,9 +1,9 @@
 """Prometheus metrics and health endpoints for one relay.
 
 Counters and histograms are updated as outcomes are recorded; gauges that need
-the database (messages by status, oldest due message per queue) come from one
-cheap query on a schedule, never per scrape, so a scraping Prometheus cannot
-load the database. Each relay has its own registry: several relays in one test
+the database (messages by status, oldest due and oldest unfinished message per
+queue) come from a few cheap, indexed queries on a schedule, never per scrape,
+so a scraping Prometheus cannot load the database. Each relay has its own registry: several relays in one test
 process do not mix their figures.
 
 Endpoints on ``--metrics-port``: ``/metrics``, ``/healthz`` (the process
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.engine import Engine
 
 from outbox import ConfigurationError, Message, outbox_message
@@ -76,22 +76,34 @@ class RelayMetrics:
             buckets=_DURATION_BUCKETS,
             registry=self.registry,
         )
+        # created_at is when the row was written: on PostgreSQL now(), the start of the
+        # emitting transaction, so a long transaction adds its own duration here.
         self.latency = Histogram(
             "outbox_delivery_latency_seconds",
-            "From the emitting transaction's commit to the end of the successful attempt",
+            "From the message's created_at (PostgreSQL: start of the emitting transaction) "
+            "to the end of the successful attempt",
             ["handler"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.messages = Gauge(
             "outbox_messages",
-            "Messages by status (delivered is not counted)",
+            "Messages by status: pending, running, dead (not requeued: waiting for an operator), "
+            "dead_requeued (dead originals that have a requeued copy); delivered and discarded "
+            "are not counted",
             ["status"],
             registry=self.registry,
         )
         self.oldest_due = Gauge(
             "outbox_oldest_pending_age_seconds",
-            "Age of the oldest due pending message, by queue",
+            "Seconds since the oldest due pending message became due (available_at), by queue",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.oldest_unfinished = Gauge(
+            "outbox_oldest_unfinished_age_seconds",
+            "Seconds since the oldest pending or running message was created (created_at), by queue; "
+            "counts retries and delays that are not due yet",
             ["queue"],
             registry=self.registry,
         )
@@ -108,6 +120,7 @@ class RelayMetrics:
         self._server: ThreadingHTTPServer | None = None
         self._breakers: list[Callable[[], dict[str, bool]]] = []
         self._queues: set[str] = set()
+        self._unfinished_queues: set[str] = set()
 
     # -- fed by the relay ------------------------------------------------------------
 
@@ -131,31 +144,41 @@ class RelayMetrics:
         self._breakers.append(states)
 
     def refresh(self, engine: Engine) -> None:
-        """The scheduled query behind the gauges (pending, running, dead only: indexed, small)."""
+        """The scheduled queries behind the gauges: pending, running and dead rows only (indexed)."""
         now = datetime.now(UTC)
+        copy = m.alias("requeued_copy")
+        has_copy = select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists()
         with engine.connect() as conn:
             counts: dict[str, int] = dict(
                 conn.execute(
                     select(m.c.status, func.count())
-                    .where(m.c.status.in_(("pending", "running", "dead")))
+                    .where(m.c.status.in_(("pending", "running")))
                     .group_by(m.c.status)
                 ).all()
             )
+            # A requeued original stays dead for the record: count it apart, so "dead" falls
+            # when an operator acts and a "dead count rising" alert means new failures.
+            dead, dead_requeued = conn.execute(
+                select(func.count(), func.coalesce(func.sum(case((has_copy, 1), else_=0)), 0)).where(
+                    m.c.status == "dead"
+                )
+            ).one()
             oldest = conn.execute(
                 select(m.c.queue, func.min(m.c.available_at))
                 .where(m.c.status == "pending", m.c.available_at <= _now_expr(engine, now))
                 .group_by(m.c.queue)
             ).all()
-        for status in ("pending", "running", "dead"):
+            unfinished = conn.execute(
+                select(m.c.queue, func.min(m.c.created_at))
+                .where(m.c.status.in_(("pending", "running")))
+                .group_by(m.c.queue)
+            ).all()
+        counts["dead"] = int(dead) - int(dead_requeued)
+        counts["dead_requeued"] = int(dead_requeued)
+        for status in ("pending", "running", "dead", "dead_requeued"):
             self.messages.labels(status).set(counts.get(status, 0))
-        seen: set[str] = set()
-        for queue, first in oldest:
-            if first is not None:
-                seen.add(queue)
-                self.oldest_due.labels(queue).set(max((now - first).total_seconds(), 0.0))
-        for queue in self._queues - seen:  # queues that drained go back to 0
-            self.oldest_due.labels(queue).set(0)
-        self._queues |= seen
+        self._queues = _set_ages(self.oldest_due, oldest, self._queues, now)
+        self._unfinished_queues = _set_ages(self.oldest_unfinished, unfinished, self._unfinished_queues, now)
         for states in self._breakers:
             for destination, is_open in states().items():
                 self.breaker_open.labels(destination).set(1 if is_open else 0)
@@ -216,6 +239,18 @@ class RelayMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _set_ages(gauge: Any, rows: Sequence[Any], known: set[str], now: datetime) -> set[str]:
+    """Set ``gauge`` per queue from (queue, timestamp) rows; queues that drained go back to 0."""
+    seen: set[str] = set()
+    for queue, first in rows:
+        if first is not None:
+            seen.add(queue)
+            gauge.labels(queue).set(max((now - first).total_seconds(), 0.0))
+    for queue in known - seen:
+        gauge.labels(queue).set(0)
+    return known | seen
 
 
 def _now_expr(engine: Engine, now: datetime) -> Any:
