@@ -154,7 +154,8 @@ async def attempt(
         status=status,
         started_at=started,
         finished_at=finished,
-        retry_in=min(retry_in or 0.0, MAX_RETRY_DELAY),
+        # float: RetryLater(delay=30) gives an int, and one batch's delays travel as one float8 array
+        retry_in=float(min(retry_in or 0.0, MAX_RETRY_DELAY)),
         error_type=None if error_type is None else _storable_text(error_type)[:_NAME_LIMIT],
         error=None if error is None else _storable_text(error),
         detail=_storable_detail(detail),

@@ -461,7 +461,7 @@ class Store:
             "ids": [r.message_id for r in results],
             "statuses": [r.status for r in results],
             "errors": [r.error for r in results],
-            "delays": [r.retry_in for r in results],
+            "delays": [float(r.retry_in) for r in results],  # psycopg refuses a list of mixed int/float
             "refunds": [int(r.refund) for r in results],
             "attempts": [r.attempt for r in results],
             "outcomes": [r.outcome for r in results],

@@ -568,11 +568,6 @@ def test_queue_concurrency_caps_one_queue_while_the_others_flow(engine, ob, make
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: on PostgreSQL an int RetryLater delay and a float retry_in in one batch of outcomes make "
-    "psycopg refuse the delays array (cannot dump lists of mixed types); run() retries that batch forever",
-)
 def test_an_integer_retry_delay_is_recorded_alongside_other_outcomes(pg_engine, ob):
     both_started = asyncio.Event()
     began: list[str] = []
