@@ -257,14 +257,20 @@ class Store:
         with self.engine.begin() as conn:
             return conn.execute(stmt, {"lease": self._bind_later(self.lease)}).rowcount
 
-    def release(self, ids: Iterable[int]) -> int:
-        """Hand back claimed messages that never started: not an attempt, so the count is restored."""
-        ids = list(ids)
-        if not ids:
-            return 0
+    def release(self, ids: Iterable[int] | None) -> int:
+        """Hand back claimed messages that never started: not an attempt, so the count is restored.
+
+        ``None`` releases every message still running under this relay's id.
+        """
+        mine = [m.c.locked_by == self.relay_id, m.c.status == "running"]
+        if ids is not None:
+            ids = list(ids)
+            if not ids:
+                return 0
+            mine.append(m.c.id.in_(ids))
         stmt = (
             update(m)
-            .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
+            .where(*mine)
             .values(
                 status="pending",
                 locked_by=None,

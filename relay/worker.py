@@ -13,6 +13,7 @@ and the poll interval makes it claim anyway.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.engine import URL, Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
 
 from outbox import ConfigurationError, Message, Outbox, OutboxError, outbox_message, signals
 from outbox._redact import Redactor
@@ -553,12 +554,13 @@ class Relay:
             batch, self._buffer = self._buffer, []
             if not batch:
                 return
-            outcomes = [c for _, c in batch]
             try:
-                if self._recorder is not None:
-                    await self.store.complete_on(self._recorder, outcomes)
-                else:
-                    await self._db(self.store.complete, outcomes)
+                try:
+                    await self._record([c for _, c in batch])
+                except (DataError, IntegrityError, ProgrammingError) as exc:
+                    # Not an outage: the database refuses something in this batch. Retrying it
+                    # whole would stall every later outcome behind it, so find the culprit.
+                    await self._record_one_by_one(batch, exc)
             except BaseException:
                 self._buffer[:0] = batch  # keep them, in order, for the next try
                 self._buffered.set()
@@ -567,6 +569,45 @@ class Relay:
             self._wake.set()  # the written outcomes freed their slots
         for message, completion in batch:
             self._announce(message, completion)
+
+    async def _record(self, outcomes: list[Completion]) -> None:
+        if self._recorder is not None:
+            await self.store.complete_on(self._recorder, outcomes)
+        else:
+            await self._db(self.store.complete, outcomes)
+
+    async def _record_one_by_one(self, batch: list[tuple[Message, Completion]], refused: Exception) -> None:
+        """Record each outcome alone; one the database still refuses is recorded without its text.
+
+        Nothing is dropped: the attempt, its outcome and the message's next
+        status are kept, and the history says why its error and detail are missing.
+        """
+        for index, (message, completion) in enumerate(batch):
+            try:
+                await self._record([completion])
+            except (DataError, IntegrityError, ProgrammingError) as exc:
+                reason = _first_line(exc)
+                log.error(
+                    "outcome of %s #%d was refused by the database (%s); recording it without its text",
+                    message.event_type,
+                    message.id,
+                    reason,
+                    extra={"action": "db_error", "message_id": message.id, "handler": message.handler},
+                )
+                plain = dataclasses.replace(
+                    completion,
+                    error_type=None if completion.error_type is None else "UnstorableError",
+                    error=None if completion.error is None else "the error text could not be stored",
+                    detail={"unstorable_outcome": reason[:500]},
+                )
+                batch[index] = (message, plain)
+                await self._record([plain])
+        log.warning(
+            "a batch of %d outcomes was refused (%s) and recorded one by one",
+            len(batch),
+            _first_line(refused),
+            extra={"action": "db_error", "relay_id": self.id},
+        )
 
     def _announce(self, message: Message, completion: Completion) -> None:
         if self.metrics is not None:
@@ -832,14 +873,20 @@ class Relay:
         return self._result
 
     async def _save_what_is_left(self) -> None:
-        """After an interrupted drain: record cancelled attempts, hand back unstarted claims.
+        """After an interrupted drain: record cancelled attempts, hand back whatever never started.
 
-        One try only: if the database is what failed, the leases expire and the
-        messages are recovered as usual.
+        Every delivery that began has an outcome by now (cancelled ones too), so
+        once those are written, any row still running under this relay's id was
+        claimed but never started (the interrupt came mid-claim, or before its
+        task ran): it goes back untouched. One try only: if the database is what
+        failed, the leases expire and the messages are recovered as usual.
         """
+        self._unstarted = []
         try:
-            await self._release_unstarted()
             await self._write_pending()
+            released = await self._db(self.store.release, None)
+            if released:
+                log.info("released %d unstarted message(s)", released, extra={"action": "release"})
         except Exception as exc:
             log.warning(
                 "could not record %d outcome(s) of the interrupted drain (%s); their leases will expire",

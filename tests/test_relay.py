@@ -707,3 +707,83 @@ def test_pending_count_helper(engine, ob, maker):
     emit_many(maker, "e", [{"n": 1}, {"n": 2}])
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(m).where(m.c.status == "pending")).scalar() == 2
+
+
+def test_an_outcome_the_database_refuses_does_not_stall_the_others(pg_engine, ob):
+    """One refused outcome is recorded without its text; the rest of its batch is recorded as usual."""
+    with pg_engine.begin() as conn:
+        conn.execute(
+            text(
+                """
+                CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF NEW.error LIKE '%poison-outcome%' THEN
+                        RAISE EXCEPTION 'refused' USING ERRCODE = 'data_exception';
+                    END IF;
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER refuse_poison BEFORE INSERT ON outbox_attempt
+                    FOR EACH ROW EXECUTE FUNCTION refuse_poison();
+                """
+            )
+        )
+    both_started = asyncio.Event()
+    began: list[str] = []
+
+    async def finish_together(msg) -> None:  # so both outcomes land in one batch
+        began.append(msg.handler)
+        if len(began) == 2:
+            both_started.set()
+        await both_started.wait()
+
+    @ob.handler("e", name="poisoned", max_attempts=1)
+    async def poisoned(msg):
+        await finish_together(msg)
+        raise PermanentError("poison-outcome: the database will not take this text")
+
+    @ob.handler("e", name="fine")
+    async def fine(msg):
+        await finish_together(msg)
+
+    factory = sessionmaker(pg_engine)
+    ob.install(factory)
+    try:
+        emit_many(factory, "e", [{"n": 1}])
+    finally:
+        ob.uninstall(factory)
+    result = Relay(ob, pg_engine).run_until_idle()
+
+    assert (result.delivered, result.dead) == (1, 1)
+    assert statuses(pg_engine) == {"poisoned:1": "dead", "fine:1": "delivered"}
+    with pg_engine.connect() as conn:
+        names = dict(conn.execute(select(m.c.id, m.c.handler)).all())
+    got = {names[h.message_id]: (h.outcome, h.error_type, h.error, h.detail) for h in history(pg_engine)}
+    assert got["fine"] == ("delivered", None, None, None)
+    outcome, error_type, error, detail = got["poisoned"]
+    assert (outcome, error_type, error) == ("dead", "UnstorableError", "the error text could not be stored")
+    assert "refused" in detail["unstorable_outcome"]
+
+
+def test_an_interrupted_drain_hands_back_claims_whose_delivery_never_began(engine, ob, maker):
+    ran: list[int] = []
+
+    @ob.handler("e", name="r")
+    async def handler(msg):
+        ran.append(msg.id)
+
+    emit_many(maker, "e", [{"n": i} for i in range(3)])
+
+    def interrupt(sender, **kwargs):  # Ctrl-C right after the claim, before any delivery exists
+        raise KeyboardInterrupt
+
+    signals.message_claimed.connect(interrupt, sender=ob)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Relay(ob, engine).run_until_idle()
+    finally:
+        signals.message_claimed.disconnect(interrupt, sender=ob)
+    assert ran == []
+    with engine.connect() as conn:
+        rows = conn.execute(select(m.c.status, m.c.attempts, m.c.locked_by)).all()
+    assert rows == [("pending", 0, None)] * 3, "handed back untouched: no attempt used"
+    assert history(engine) == []
