@@ -3,6 +3,10 @@
 The database refuses UPDATE, DELETE and TRUNCATE on the history table; inside
 this context manager, and only on its connection and transaction, DELETE is
 allowed. UPDATE stays refused: history is never rewritten, only expired.
+
+On PostgreSQL the permission names the purge's ``outbox_retention_run`` row:
+the trigger lets a DELETE through only while that row is unfinished, and only
+for history older than the cutoff it records, so no deletion goes unrecorded.
 """
 
 from __future__ import annotations
@@ -18,15 +22,15 @@ __all__ = ["history_purge_allowed"]
 
 
 @contextmanager
-def history_purge_allowed(connection: Connection) -> Iterator[None]:
+def history_purge_allowed(connection: Connection, run_id: int) -> Iterator[None]:
     dialect = connection.dialect.name
     if dialect == "postgresql":
-        # SET LOCAL: the permission ends with the transaction, whatever happens.
-        connection.execute(text("SET LOCAL outbox.retention = 'on'"))
+        # Local to the transaction: the permission ends with it, whatever happens.
+        connection.execute(text("SELECT set_config('outbox.retention', :run, true)"), {"run": str(run_id)})
         try:
             yield
         finally:
-            connection.execute(text("SET LOCAL outbox.retention = 'off'"))
+            connection.execute(text("SELECT set_config('outbox.retention', '', true)"))
     elif dialect == "sqlite":
         raw = connection.connection.dbapi_connection
         assert raw is not None

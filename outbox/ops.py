@@ -504,7 +504,7 @@ def purge(
     if history_before is not None:
         history_cutoff = literal(history_before, a.c.started_at.type)
         while True:
-            with engine.begin() as conn, history_purge_allowed(conn):
+            with engine.begin() as conn, history_purge_allowed(conn, run_id):
                 ids = list(
                     conn.execute(
                         select(a.c.id)

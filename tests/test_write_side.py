@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import String, func, select, text
@@ -103,21 +104,71 @@ def test_bad_input_raises_at_emit_and_transaction_stays_usable(maker, engine):
     assert len(rows(engine)) == 2
 
 
-def test_history_is_append_only(maker, engine):
+def _history_row(engine: Engine, started_at: object) -> None:
     with engine.begin() as conn:
         conn.execute(
             outbox.outbox_attempt.insert().values(
-                message_id=1, attempt=1, outcome="delivered", started_at=func.now()
+                message_id=1, attempt=1, outcome="delivered", started_at=started_at
             )
         )
+
+
+def _purge_record(engine: Engine, history_before: datetime, *, finished: bool = False) -> int:
+    run = outbox.outbox_retention_run
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        return conn.execute(
+            run.insert()
+            .values(
+                started_at=now,
+                finished_at=now if finished else None,
+                actor="test",
+                delivered_before=now,
+                history_before=history_before,
+            )
+            .returning(run.c.id)
+        ).scalar_one()
+
+
+def test_history_is_append_only(maker, engine):
+    _history_row(engine, func.now())
     for statement in ("UPDATE outbox_attempt SET attempt = 2", "DELETE FROM outbox_attempt"):
         refused = r"append-only|outbox_purge_in_progress"
         with pytest.raises(DatabaseError, match=refused), engine.begin() as conn:
             conn.execute(text(statement))
     from outbox._retention import history_purge_allowed
 
-    with engine.begin() as conn, history_purge_allowed(conn):
+    run_id = _purge_record(engine, datetime.now(UTC) + timedelta(days=1))
+    with engine.begin() as conn, history_purge_allowed(conn, run_id):
         conn.execute(text("DELETE FROM outbox_attempt"))
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(outbox.outbox_attempt)).scalar() == 0
+
+
+def test_postgresql_history_leaves_only_through_a_recorded_purge_and_only_below_its_cutoff(pg_engine):
+    from outbox._retention import history_purge_allowed
+
+    old, recent = datetime.now(UTC) - timedelta(days=100), datetime.now(UTC)
+    _history_row(pg_engine, old)
+    _history_row(pg_engine, recent)
+    count = text("SELECT count(*) FROM outbox_attempt")
+
+    def refused(setting: str) -> None:
+        with pytest.raises(DatabaseError, match="append-only"), pg_engine.begin() as conn:
+            conn.execute(text("SELECT set_config('outbox.retention', :v, true)"), {"v": setting})
+            conn.execute(text("DELETE FROM outbox_attempt"))
+
+    refused("on")  # the old switch: any session could flip it, and nothing recorded it
+    refused("999999")  # no such purge
+    refused(str(_purge_record(pg_engine, recent + timedelta(days=1), finished=True)))  # a finished purge
+    cutoff = _purge_record(pg_engine, old + timedelta(days=1))
+    refused(str(cutoff))  # the recent row is newer than this purge's cutoff: the whole DELETE fails
+    with pg_engine.begin() as conn, history_purge_allowed(conn, cutoff):
+        older = {"c": old + timedelta(days=1)}
+        deleted = conn.execute(text("DELETE FROM outbox_attempt WHERE started_at < :c"), older)
+        assert deleted.rowcount == 1
+    with pg_engine.connect() as conn:
+        assert conn.execute(count).scalar() == 1
 
 
 def test_thousands_of_events_in_one_commit_are_all_stored(maker, engine):
