@@ -462,21 +462,26 @@ class Store:
             conn.exec_driver_sql(pg.COMPLETE, self._complete_params(results))
 
     def _complete_params(self, results: Sequence[Completion]) -> dict[str, Any]:
-        return {
-            "me": self.relay_id,
-            "ids": [r.message_id for r in results],
-            "statuses": [r.status for r in results],
-            "errors": [r.error for r in results],
-            "delays": [float(r.retry_in) for r in results],  # psycopg refuses a list of mixed int/float
-            "refunds": [int(r.refund) for r in results],
-            "attempts": [r.attempt for r in results],
-            "outcomes": [r.outcome for r in results],
-            "started": [r.started_at for r in results],
-            "finished": [r.finished_at for r in results],
-            "durations": [int((r.finished_at - r.started_at).total_seconds() * 1000) for r in results],
-            "error_types": [r.error_type for r in results],
-            "details": [None if r.detail is None else json.dumps(r.detail) for r in results],
-        }
+        batch = [
+            {
+                "id": r.message_id,
+                "attempt": r.attempt,
+                "status": r.status,
+                "outcome": r.outcome,
+                "error": r.error,
+                "error_type": r.error_type,
+                "delay": float(r.retry_in),
+                "refund": int(r.refund),
+                "started": r.started_at.isoformat(),
+                "finished": r.finished_at.isoformat(),
+                "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
+                "detail": r.detail,
+            }
+            for r in results
+        ]
+        # ASCII-escaped JSON: text the database cannot take (a lone surrogate) is then refused by
+        # the database, which the writer isolates, instead of failing to encode on the way out.
+        return {"me": self.relay_id, "batch": json.dumps(batch, allow_nan=False)}
 
     # -- visibility -----------------------------------------------------------------
 

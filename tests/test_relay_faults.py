@@ -464,7 +464,8 @@ def test_shutdown_hands_back_unstarted_claims_at_once_and_a_rival_delivers_them_
     emitter(1)
     graceful = spawn(
         pg_url,
-        *("--concurrency", "3", "--lease", "1", "--grace-period", "30", "--relay-id", "graceful"),
+        # The lease outlasts the deliberately slow claim (2 x 1.5 s) and is far shorter than the grace.
+        *("--concurrency", "3", "--lease", "5", "--grace-period", "30", "--relay-id", "graceful"),
         COUNTING_GATE=str(gate),
         COUNTING_STARTED_DIR=str(started),
     )
