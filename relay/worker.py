@@ -397,7 +397,9 @@ class Relay:
         """Wait for a wake-up (or, when backing off from an outage, only for a stop request)."""
         waiter = self._wake if wakeable else self._stop_requested
         try:
-            await asyncio.wait_for(waiter.wait(), timeout=seconds)
+            # asyncio.timeout, not wait_for: no extra Task on the commit-to-claim path.
+            async with asyncio.timeout(seconds):
+                await waiter.wait()
         except TimeoutError:
             pass
 
