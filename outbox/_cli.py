@@ -224,10 +224,12 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
         _table(rows, ["handler", "pending", "running", "delivered", "dead", "discarded"])
     for queue, age in sorted(result.oldest_pending_age_s.items()):
         print(f"oldest due message in queue {queue}: {age:.1f}s")
+    # Counted from created_at: a message stuck in retries shows here, not above.
+    for queue, age in sorted(result.oldest_unfinished_age_s.items()):
+        print(f"oldest unfinished message in queue {queue}: {age:.1f}s")
     print(f"last hour: {result.delivered_last_hour} delivered, {result.failed_last_hour} failed attempts")
     # Requeued originals stay dead for the record; only the others still need a decision.
-    requeued = f" (and {result.dead_requeued} requeued)" if result.dead_requeued else ""
-    print(f"dead: {result.dead}{requeued}")
+    print(f"dead: {result.dead} needing a decision, {result.dead_requeued} requeued")
     return 0
 
 

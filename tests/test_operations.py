@@ -53,7 +53,7 @@ def test_dead_counts_only_messages_nobody_has_requeued(seeded):
     assert stats["by_status"]["dead"] == 2, "the original stays dead: rows are counted as stored"
     assert (stats["dead"], stats["dead_requeued"]) == (1, 1)
     assert ops.stats(engine).dead == 1
-    assert ok(run("stats", database_url=url)).splitlines()[-1] == "dead: 1 (and 1 requeued)"
+    assert ok(run("stats", database_url=url)).splitlines()[-1] == "dead: 1 needing a decision, 1 requeued"
 
     # The copy dies too: it is the one waiting for a decision now; the original is still settled.
     Relay(seeded.ob, engine, queues=["billing"]).run_until_idle()
@@ -65,7 +65,7 @@ def test_dead_counts_only_messages_nobody_has_requeued(seeded):
     ops.discard(engine, ops.MessageFilter(ids=(second, copy)), reason="refunded", actor="t")
     stats = ok_json(run("stats", "--json", database_url=url))
     assert (stats["dead"], stats["dead_requeued"]) == (0, 1)
-    assert ok(run("stats", database_url=url)).splitlines()[-1] == "dead: 0 (and 1 requeued)"
+    assert ok(run("stats", database_url=url)).splitlines()[-1] == "dead: 0 needing a decision, 1 requeued"
 
     # The guide's plain SQL for the same figure agrees (it runs on both databases).
     with engine.connect() as conn:

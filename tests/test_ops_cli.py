@@ -283,7 +283,11 @@ def test_stats_counts_every_status_and_the_last_hour(seeded):
         "welcome_email": ["0", "0", "2", "0", "0"],
     }
     assert re.fullmatch(r"oldest due message in queue reports: \d+\.\ds", lines[5]), out
-    assert lines[6:] == ["last hour: 2 delivered, 4 failed attempts", "dead: 2"]
+    assert re.fullmatch(r"oldest unfinished message in queue reports: \d+\.\ds", lines[6]), out
+    assert lines[7:] == [
+        "last hour: 2 delivered, 4 failed attempts",
+        "dead: 2 needing a decision, 0 requeued",
+    ]
 
 
 # -- list -----------------------------------------------------------------------------------------
