@@ -59,7 +59,13 @@ def _find_unstorable(value: Any, parts: list[str]) -> str | None:
 
 
 def _find_unencodable(value: Any, parts: list[str]) -> str | None:
-    """Say where a string holds what PostgreSQL cannot store: NUL, or a lone surrogate."""
+    """Say where a string holds what PostgreSQL cannot store: NUL, or a lone surrogate.
+
+    The same walk as ``_find_unstorable``, kept apart on purpose: that one runs on
+    every emit, and folding both checks into one generic walk made every emit
+    slower (11 to 20 µs for a small payload); this one runs only when the
+    serialised text already hints at a problem.
+    """
     if isinstance(value, str):
         problem = text_problem(value)
         return f"{_path(parts)} {problem}" if problem else None
