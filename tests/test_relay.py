@@ -568,32 +568,49 @@ def test_queue_concurrency_caps_one_queue_while_the_others_flow(engine, ob, make
     )
 
 
-def test_an_integer_retry_delay_is_recorded_alongside_other_outcomes(pg_engine, ob):
-    both_started = asyncio.Event()
+def drain_with_outcomes_in_one_batch(engine: Engine, ob: Outbox, **routes: Any) -> Any:
+    """Each keyword names a route and what its handler does (return or raise) once all have begun.
+
+    The handlers wait for each other, so every outcome is written in the same batch.
+    """
+    everyone_began = asyncio.Event()
     began: list[str] = []
 
-    async def finish_together(msg) -> None:  # so both outcomes land in one batch
-        began.append(msg.handler)
-        if len(began) == 2:
-            both_started.set()
-        await both_started.wait()
+    def route(name: str, finish: Any) -> None:
+        async def handler(msg):
+            began.append(name)
+            if len(began) == len(routes):
+                everyone_began.set()
+            await everyone_began.wait()
+            finish(msg)
 
-    @ob.handler("e", name="asks_later")
-    async def asks_later(msg):
-        await finish_together(msg)
-        raise RetryLater("rate limited", delay=30)  # an int, as a Retry-After header gives it
+        ob.route("e", handler, name=name)
 
-    @ob.handler("e", name="receipt")
-    async def receipt(msg):
-        await finish_together(msg)
-
-    factory = sessionmaker(pg_engine)
+    for name, finish in routes.items():
+        route(name, finish)
+    factory = sessionmaker(engine)
     ob.install(factory)
     try:
         emit_many(factory, "e", [{"n": 1}])
     finally:
         ob.uninstall(factory)
-    result = Relay(ob, pg_engine).run_until_idle()
+    return Relay(ob, engine).run_until_idle()
+
+
+def raises(error: Exception) -> Any:
+    def finish(msg):
+        raise error
+
+    return finish
+
+
+def test_an_integer_retry_delay_is_recorded_alongside_other_outcomes(pg_engine, ob):
+    result = drain_with_outcomes_in_one_batch(
+        pg_engine,
+        ob,
+        asks_later=raises(RetryLater("rate limited", delay=30)),  # an int, as a Retry-After header gives it
+        receipt=lambda msg: None,
+    )
     assert (result.delivered, result.retried) == (1, 1)
     assert statuses(pg_engine) == {"asks_later:1": "pending", "receipt:1": "delivered"}
 
@@ -727,31 +744,12 @@ def test_an_outcome_the_database_refuses_does_not_stall_the_others(pg_engine, ob
                 """
             )
         )
-    both_started = asyncio.Event()
-    began: list[str] = []
-
-    async def finish_together(msg) -> None:  # so both outcomes land in one batch
-        began.append(msg.handler)
-        if len(began) == 2:
-            both_started.set()
-        await both_started.wait()
-
-    @ob.handler("e", name="poisoned", max_attempts=1)
-    async def poisoned(msg):
-        await finish_together(msg)
-        raise PermanentError("poison-outcome: the database will not take this text")
-
-    @ob.handler("e", name="fine")
-    async def fine(msg):
-        await finish_together(msg)
-
-    factory = sessionmaker(pg_engine)
-    ob.install(factory)
-    try:
-        emit_many(factory, "e", [{"n": 1}])
-    finally:
-        ob.uninstall(factory)
-    result = Relay(ob, pg_engine).run_until_idle()
+    result = drain_with_outcomes_in_one_batch(
+        pg_engine,
+        ob,
+        poisoned=raises(PermanentError("poison-outcome: the database will not take this text")),
+        fine=lambda msg: None,
+    )
 
     assert (result.delivered, result.dead) == (1, 1)
     assert statuses(pg_engine) == {"poisoned:1": "dead", "fine:1": "delivered"}
