@@ -52,6 +52,18 @@ def test_backoff_stays_within_its_bounds(base, spread, attempt, seed):
     assert 0.0 <= delay <= ceiling and math.isfinite(delay)
 
 
+def emit_work(ob: Outbox, engine: Engine, count: int) -> None:
+    """Commit ``count`` "work" events, payloads numbered from 0."""
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    try:
+        with factory() as s, s.begin():
+            for n in range(count):
+                emit(s, "work", {"n": n})
+    finally:
+        ob.uninstall(factory)
+
+
 def _watermark(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(conn.execute(select(func.coalesce(func.max(m.c.id), 0))).scalar_one())
@@ -152,14 +164,7 @@ def test_every_message_is_delivered_at_least_once_despite_crashed_relays(engine,
     def effect(msg):
         seen[msg.payload["n"]] += 1
 
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    try:
-        with factory() as s, s.begin():
-            for n in range(count):
-                emit(s, "work", {"n": n})
-    finally:
-        ob.uninstall(factory)
+    emit_work(ob, engine, count)
 
     rng = random.Random(seed)
     abandoned = 0
@@ -253,14 +258,7 @@ def test_every_effect_happens_at_least_once_when_relays_crash_before_recording_i
     async def effect(msg):
         effects[msg.payload["n"]].append(running_as[0])
 
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    try:
-        with factory() as s, s.begin():
-            for n in range(count):
-                emit(s, "work", {"n": n})
-    finally:
-        ob.uninstall(factory)
+    emit_work(ob, engine, count)
 
     rng = random.Random(seed)
     for i, (size, kind) in enumerate(crashes):
