@@ -39,6 +39,17 @@ def sales(engine: Engine) -> Engine:
     return engine
 
 
+def start_sales_report(engine: Engine, folder: Path) -> tuple[Outbox, ReportJob, str]:
+    """A fresh Outbox with the sales report, and one run of it started (committed)."""
+    ob = Outbox()
+    job = make_job(ob, engine, folder)
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    with factory() as s, s.begin():
+        run_id = job.start(s)
+    return ob, job, run_id
+
+
 def make_job(
     ob: Outbox,
     engine: Engine,
@@ -158,12 +169,7 @@ def test_start_is_atomic_with_the_callers_transaction(sales, tmp_path):
 
 def test_rerunning_a_finished_chunk_changes_nothing(sales, tmp_path):
     engine = sales
-    ob = Outbox()
-    job = make_job(ob, engine, tmp_path)
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    with factory() as s, s.begin():
-        run_id = job.start(s)
+    ob, job, run_id = start_sales_report(engine, tmp_path)
     Relay(ob, engine).run_until_idle()
     done = job.progress(run_id)
     assert done.status == "complete"
@@ -186,12 +192,7 @@ def chunk_messages(engine: Engine) -> list[Any]:
 
 def test_rerunning_a_chunk_while_its_run_is_running_overwrites_its_own_part(sales, tmp_path):
     engine = sales
-    ob = Outbox()
-    job = make_job(ob, engine, tmp_path)
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    with factory() as s, s.begin():
-        run_id = job.start(s)
+    ob, job, run_id = start_sales_report(engine, tmp_path)
     from outbox.relay.dispatch import to_message
 
     chunk3 = to_message(chunk_messages(engine)[3])
@@ -223,12 +224,7 @@ def test_rerunning_a_chunk_while_its_run_is_running_overwrites_its_own_part(sale
 
 def test_a_chunk_whose_row_set_shifted_since_start_says_so(sales, tmp_path, caplog):
     engine = sales
-    ob = Outbox()
-    job = make_job(ob, engine, tmp_path)
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    with factory() as s, s.begin():
-        run_id = job.start(s)
+    ob, job, run_id = start_sales_report(engine, tmp_path)
     with engine.begin() as conn:  # rows deleted after start: the last chunk's page comes back short
         conn.execute(delete(Sale).where(Sale.id <= 10))
     with caplog.at_level(logging.WARNING, logger="outbox.integrations.report"):
