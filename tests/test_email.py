@@ -6,9 +6,7 @@ import base64
 import email
 import email.policy
 import logging
-import shutil
 import ssl
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +22,7 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
+from tlscert import self_signed
 
 import outbox
 from outbox import Backoff, ConfigurationError, Message, Outbox, PermanentError, RetryLater, emit
@@ -127,17 +126,7 @@ def smtp(request: pytest.FixtureRequest) -> Smtp:
 @pytest.fixture(scope="session")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1, made with the openssl command."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
-        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
+    return self_signed(tmp_path_factory.mktemp("tls"), "127.0.0.1", "IP:127.0.0.1")
 
 
 def tls_contexts(certificate: tuple[Path, Path]) -> tuple[ssl.SSLContext, ssl.SSLContext]:

@@ -13,10 +13,8 @@ import email.message
 import ipaddress
 import json
 import logging
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import uuid
@@ -33,6 +31,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks.webhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError as ReferenceVerificationError
+from tlscert import self_signed
 
 import outbox
 from outbox import Backoff, ConfigurationError, Message, Outbox, PermanentError, RetryLater, emit
@@ -146,18 +145,7 @@ TLS_NAME = "hooks.example.test"
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate for TLS_NAME only (not for 127.0.0.1)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
-        + ["-keyout", str(key), "-out", str(cert), "-subj", f"/CN={TLS_NAME}"]
-        + ["-addext", f"subjectAltName=DNS:{TLS_NAME}"],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
+    return self_signed(tmp_path_factory.mktemp("tls"), TLS_NAME, f"DNS:{TLS_NAME}")
 
 
 @pytest.fixture
