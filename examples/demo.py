@@ -37,7 +37,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 import outbox
 from outbox import Backoff, Outbox, OutboxMixin, ops
-from outbox.integrations.email import EmailHandler, SentLog
+from outbox.integrations.email import EmailHandler
 from outbox.integrations.report import ReportJob
 from outbox.integrations.webhook import WebhookHandler, generate_secret, verify
 from outbox.relay import Relay
@@ -132,7 +132,7 @@ def build_outbox(engine: Engine, smtp_port: int, crm_port: int, reports: Path) -
     ob.route(
         "user.signed_up",
         EmailHandler(
-            "127.0.0.1", smtp_port, sender="Demo <hello@demo.example>", sent_log=SentLog(engine), timeout=5
+            "127.0.0.1", smtp_port, sender="Demo <hello@demo.example>", timeout=5
         ),
         name="welcome_email",
         queue="mail",

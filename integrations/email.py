@@ -99,7 +99,7 @@ class EmailHandler:
         templates: str | os.PathLike[str] | BaseLoader | None = None,
         timeout: float = 20.0,
         rate_limit: float | RateLimiter | None = None,
-        sent_log: SentLog | Engine | None = None,
+        sent_log: SentLog | Engine | bool | None = True,
         context_loader: ContextLoader | None = None,
         ssl_context: ssl_module.SSLContext | None = None,
     ) -> None:
@@ -136,10 +136,18 @@ class EmailHandler:
         self.timeout = float(timeout)
         self._smtp = SmtpSettings(host, port, username, password, starttls, ssl, self.timeout, ssl_context)
         self._secrets = _secret_forms(username, password)
-        self.sent_log = SentLog(sent_log) if isinstance(sent_log, Engine) else sent_log
-        if self.sent_log is not None and not isinstance(self.sent_log, SentLog):
+        # True: the sent-log lives in the relay's own database, bound when a relay starts
+        # (outbox_bind); False or None: no sent-log, delivery is at least once.
+        self._sent_log_from_relay = sent_log is True
+        if isinstance(sent_log, bool) or sent_log is None:
+            self.sent_log: SentLog | None = None
+        elif isinstance(sent_log, Engine):
+            self.sent_log = SentLog(sent_log)
+        elif isinstance(sent_log, SentLog):
+            self.sent_log = sent_log
+        else:
             raise ConfigurationError(
-                f"EmailHandler: sent_log must be a SentLog or an Engine, got {sent_log!r}"
+                f"EmailHandler: sent_log must be True, False, a SentLog or an Engine, got {sent_log!r}"
             )
         self.rate_limiter: RateLimiter | None = (
             rate_limit
@@ -158,6 +166,11 @@ class EmailHandler:
 
     def __repr__(self) -> str:  # never the password
         return f"<EmailHandler {self.host}:{self.port} from {self._sender}>"
+
+    def outbox_bind(self, engine: Engine) -> None:
+        """Called by a relay as it starts: by default the sent-log uses the relay's own database."""
+        if self._sent_log_from_relay and self.sent_log is None:
+            self.sent_log = SentLog(engine)
 
     def outbox_secrets(self) -> list[str]:
         """The password (and its base64 forms, as AUTH PLAIN/LOGIN send it) for the relay to mask."""

@@ -252,6 +252,17 @@ class Relay:
         with self.engine.connect() as conn:
             conn.execute(select(outbox_message.c.id).limit(0))
 
+    def _bind_handlers(self) -> None:
+        """Offer each handler the relay's engine (``outbox_bind(engine)``), once the database answers.
+
+        A handler that keeps state in the database, such as the email sent-log,
+        then needs no engine of its own in its configuration.
+        """
+        for route in self._routes.values():
+            hook = getattr(route.handler, "outbox_bind", None)
+            if callable(hook):
+                hook(self.engine)
+
     async def _shutdown_handlers(self) -> None:
         """Let handlers close what they opened on this loop (HTTP clients, SMTP connections).
 
@@ -320,6 +331,7 @@ class Relay:
         started = False
         try:
             await self._check_database()
+            self._bind_handlers()
             if install_signal_handlers:
                 self._install_signals()
             signals.messages_committed.connect(self._on_commit, sender=self.outbox, weak=False)
@@ -850,6 +862,7 @@ class Relay:
         self._open()
         try:
             await self._check_database()
+            self._bind_handlers()
             await self._report_unknown_handlers()
             await self._recover_once()
             self._background = [asyncio.create_task(self._heartbeat(), name="outbox-heartbeat")]

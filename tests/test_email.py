@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
@@ -391,6 +391,30 @@ def test_the_relay_skips_a_mail_accepted_before_the_message_was_recorded_as_deli
     assert len(smtp.script.received) == 1
     [(outcome, detail)] = outcomes(engine)
     assert outcome == "delivered" and detail["skipped"] == "already accepted by the server"
+
+
+@pytest.mark.parametrize("sent_log", [True, False])
+def test_by_default_the_sent_log_lives_in_the_relays_database(engine, smtp, sent_log):
+    """No engine in the handler's configuration: a relay binds the sent-log to its own database."""
+    ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+    options = {} if sent_log else {"sent_log": False}
+    handler = EmailHandler("127.0.0.1", smtp.port, sender=SENDER, **options)
+    assert handler.sent_log is None  # nothing to bind to until a relay starts
+    ob.route("mail", handler, name="mailer", max_attempts=4, timeout=10)
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    send(ob, factory, {"to": "a@example.com", "subject": "S", "text": "t"}, key="order:1")
+    drain_all(ob, engine)
+    assert len(smtp.script.received) == 1
+    # The server accepted it, then the outcome was lost (a crash before it was recorded):
+    with engine.begin() as conn:
+        conn.execute(update(m).values(status="pending", attempts=0, delivered_at=None))
+    drain_all(ob, engine)
+    if sent_log:
+        assert len(smtp.script.received) == 1, "the retry found the mail in the sent-log"
+        assert outcomes(engine)[-1][1]["skipped"] == "already accepted by the server"
+    else:  # the control: without a sent-log the same retry sends it again
+        assert len(smtp.script.received) == 2
 
 
 def test_a_requeued_copy_is_the_same_mail_to_the_sent_log(engine, smtp):
