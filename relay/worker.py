@@ -596,32 +596,50 @@ class Relay:
         Nothing is dropped: the attempt, its outcome and the message's next
         status are kept, and the history says why its error and detail are missing.
         """
-        for index, (message, completion) in enumerate(batch):
-            try:
-                await self._record([completion])
-            except (DataError, IntegrityError, ProgrammingError) as exc:
-                reason = _first_line(exc)
-                log.error(
-                    "outcome of %s #%d was refused by the database (%s); recording it without its text",
-                    message.event_type,
-                    message.id,
-                    reason,
-                    extra={"action": "db_error", "message_id": message.id, "handler": message.handler},
-                )
-                plain = dataclasses.replace(
-                    completion,
-                    error_type=None if completion.error_type is None else "UnstorableError",
-                    error=None if completion.error is None else "the error text could not be stored",
-                    detail={"unstorable_outcome": reason[:500]},
-                )
-                batch[index] = (message, plain)
-                await self._record([plain])
+        written = 0
+        try:
+            for index, (message, completion) in enumerate(batch):
+                await self._record_alone(batch, index, message, completion)
+                written += 1
+        except BaseException:
+            # An outage halfway: what is written must not be buffered again (its history would
+            # be appended twice); the caller keeps the rest, and its list is this one.
+            announced = batch[:written]
+            del batch[:written]
+            for message, completion in announced:
+                self._announce(message, completion)
+            raise
         log.warning(
             "a batch of %d outcomes was refused (%s) and recorded one by one",
             len(batch),
             _first_line(refused),
             extra={"action": "db_error", "relay_id": self.id},
         )
+
+    async def _record_alone(
+        self, batch: list[tuple[Message, Completion]], index: int, message: Message, completion: Completion
+    ) -> None:
+        """Record one outcome; if the database refuses it, record it without its text instead."""
+        try:
+            await self._record([completion])
+            return
+        except (DataError, IntegrityError, ProgrammingError) as exc:
+            reason = _first_line(exc)
+        log.error(
+            "outcome of %s #%d was refused by the database (%s); recording it without its text",
+            message.event_type,
+            message.id,
+            reason,
+            extra={"action": "db_error", "message_id": message.id, "handler": message.handler},
+        )
+        plain = dataclasses.replace(
+            completion,
+            error_type=None if completion.error_type is None else "UnstorableError",
+            error=None if completion.error is None else "the error text could not be stored",
+            detail={"unstorable_outcome": reason[:500]},
+        )
+        batch[index] = (message, plain)
+        await self._record([plain])
 
     def _announce(self, message: Message, completion: Completion) -> None:
         if self.metrics is not None:
