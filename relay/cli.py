@@ -31,7 +31,7 @@ from outbox._argparse import OneLineParser
 
 from .logs import configure
 from .metrics import RelayMetrics
-from .worker import DatabaseUnavailable, Relay
+from .worker import DatabaseUnavailable, Relay, _first_line
 
 __all__ = ["load_app", "main"]
 
@@ -265,9 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     except SQLAlchemyError as exc:  # --once: a drain reports database errors instead of retrying
-        text = str(getattr(exc, "orig", None) or exc).strip()
-        reason = text.splitlines()[0] if text else type(exc).__name__
-        print(f"{PROG}: database error: {reason}", file=sys.stderr)
+        print(f"{PROG}: database error: {_first_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # --once only: run() handles SIGINT itself
         print(f"{PROG}: interrupted; unfinished messages were handed back (or return when their lease ends)",

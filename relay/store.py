@@ -366,9 +366,6 @@ class Store:
         """
         if not results:
             return
-        if self.fast:
-            self._complete_postgresql(results)
-            return
         now = self._now()
         ours = and_(
             m.c.id == bindparam("mid"),
@@ -456,10 +453,6 @@ class Store:
         """:meth:`complete` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if results:
             await conn.execute(pg.COMPLETE, self._complete_params(results))
-
-    def _complete_postgresql(self, results: Sequence[Completion]) -> None:
-        with self._autocommit.connect() as conn:
-            conn.exec_driver_sql(pg.COMPLETE, self._complete_params(results))
 
     def _complete_params(self, results: Sequence[Completion]) -> dict[str, Any]:
         batch = [
