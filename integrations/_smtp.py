@@ -129,11 +129,16 @@ def transact(
     mail: EmailMessage,
     *,
     scrub: Callable[[str], str],
+    before_data: Callable[[], None] | None = None,
 ) -> Accepted:
     """Deliver ``mail`` to the server in one connection; returns its reply to DATA or raises.
 
     ``settings.timeout`` bounds the whole conversation, not each read. ``scrub``
     masks the credentials in any server text before it is raised or logged.
+    ``before_data`` runs just before DATA (a rate limit's wait: DATA is what a
+    provider counts, so spacing it there keeps the spacing the server sees);
+    its time does not count against the conversation's deadline, and what it
+    raises ends the conversation with nothing sent.
     """
     steps = _Steps(settings.timeout)
     client: smtplib.SMTP | None = None
@@ -171,6 +176,10 @@ def transact(
             _reply_error("mail", code, raw, scrub)
         _recipients(client, steps, recipients, scrub)
         flattened = mail.as_bytes(policy=SMTPUTF8 if international else POLICY)
+        if before_data is not None:
+            waiting_since = time.monotonic()
+            before_data()
+            steps.deadline += time.monotonic() - waiting_since
         steps.enter(client, "data")
         code, raw = client.data(flattened)
         if code != 250:

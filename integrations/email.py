@@ -279,9 +279,10 @@ class EmailHandler:
                     "accepted_in_attempt": earlier.attempt,
                 }
         mail = self.build(message)
-        self._wait_for_rate()
         recipients = [*mail["To"].addresses]
-        accepted = transact(self._smtp, self._sender, recipients, mail, scrub=self._scrub)
+        accepted = transact(
+            self._smtp, self._sender, recipients, mail, scrub=self._scrub, before_data=self._wait_for_rate
+        )
         detail: dict[str, Any] = {
             "message_id": message_id,
             "smtp_code": accepted.code,
