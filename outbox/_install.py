@@ -106,7 +106,8 @@ def _flush_owed(session: Session) -> None:
     owed = state.unwritten()
     if not owed:
         return
-    write_events(session.connection(), owed)
+    pipelined = state.committing and owed[0].outbox.pipeline_writes
+    write_events(session.connection(), owed, pipelined=pipelined)
     current = innermost(session)
     for pending in owed:
         pending.written_in = current
@@ -134,8 +135,13 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
             return
         # A flush first, so aggregates get their ids (after_flush writes then);
         # a session with no ORM changes does not flush, so write what is left.
-        session.flush()
-        _flush_owed(session)
+        # Either write is the commit's own, which may ride with the COMMIT.
+        state.committing = True
+        try:
+            session.flush()
+            _flush_owed(session)
+        finally:
+            state.committing = False
 
     def after_commit(session: Session) -> None:
         if session.get_nested_transaction() is not None or not mine(session):

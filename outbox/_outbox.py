@@ -37,6 +37,7 @@ class Outbox:
         default_queue: str = DEFAULT_QUEUE,
         default_priority: int = DEFAULT_PRIORITY,
         default_backoff: Backoff | None = None,
+        pipeline_writes: bool = True,
     ) -> None:
         if isinstance(payload_limit, bool) or not isinstance(payload_limit, int) or payload_limit < 1:
             raise ConfigurationError(
@@ -48,6 +49,11 @@ class Outbox:
         self.default_queue = check_name("default_queue", default_queue)
         self.default_priority = check_priority(default_priority, "default_priority", ConfigurationError)
         self.default_backoff = Backoff() if default_backoff is None else default_backoff
+        if not isinstance(pipeline_writes, bool):
+            raise ConfigurationError(f"pipeline_writes must be True or False, got {pipeline_writes!r}")
+        #: On psycopg, send the commit's INSERT with the COMMIT (see ``_pipeline``).
+        #: False keeps it an ordinary statement that SQLAlchemy's events see.
+        self.pipeline_writes = pipeline_writes
         self._routes: dict[str, Route] = {}
         self._by_event: dict[str, tuple[Route, ...]] = {}
 

@@ -79,6 +79,8 @@ class SessionEvents:
     """The buffer of one session; lives in ``session.info``."""
 
     events: list[PendingEvent] = field(default_factory=list)
+    #: True while ``before_commit`` writes: the last write before the COMMIT.
+    committing: bool = False
 
     def add(self, event: PendingEvent) -> None:
         self.events.append(event)

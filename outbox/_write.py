@@ -18,6 +18,7 @@ from sqlalchemy.sql.dml import Insert
 
 from ._exceptions import ConfigurationError, OutboxError
 from ._pending import PendingEvent
+from ._pipeline import pipeline_connection, send_in_pipeline
 from ._tables import outbox_message
 
 __all__ = ["aggregate_identity", "write_events"]
@@ -85,18 +86,20 @@ _PSYCOPG_ROW = (
 _ROWS_PER_INSERT = 1000
 
 
-def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]]) -> None:
-    """The emitter's hot path: one hand-written multi-row INSERT, no statement compilation.
+def _psycopg_statements(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[Any, ...]]]:
+    """The emitter's hot path: hand-written multi-row INSERTs, no statement compilation.
 
     This runs inside every emitting request's transaction, so the Python around
     the round trip is kept to string joins and tuples. A commit with thousands
     of events is split, or PostgreSQL's parameter limit would fail it whole.
     """
-    for start in range(0, len(rows), _ROWS_PER_INSERT):
-        _psycopg_insert_chunk(connection, rows[start : start + _ROWS_PER_INSERT])
+    return [
+        _psycopg_statement(rows[start : start + _ROWS_PER_INSERT])
+        for start in range(0, len(rows), _ROWS_PER_INSERT)
+    ]
 
 
-def _psycopg_insert_chunk(connection: Connection, rows: list[dict[str, Any]]) -> None:
+def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]]:
     sql = (
         f"INSERT INTO outbox_message ({_PSYCOPG_COLUMNS}) VALUES "
         + ", ".join([_PSYCOPG_ROW] * len(rows))
@@ -120,7 +123,17 @@ def _psycopg_insert_chunk(connection: Connection, rows: list[dict[str, Any]]) ->
             row["max_attempts"],
             row["delay"].total_seconds(),
         )
-    connection.exec_driver_sql(sql, tuple(params))
+    return sql, tuple(params)
+
+
+def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]], *, pipelined: bool) -> None:
+    statements = _psycopg_statements(rows)
+    raw = pipeline_connection(connection) if pipelined else None
+    if raw is not None:
+        send_in_pipeline(connection, raw, statements)
+        return
+    for sql, params in statements:
+        connection.exec_driver_sql(sql, params)
 
 
 def _parsed(row: dict[str, Any]) -> dict[str, Any]:
@@ -128,14 +141,19 @@ def _parsed(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "payload": json.loads(row["payload"])}
 
 
-def write_events(connection: Connection, events: list[PendingEvent]) -> None:
+def write_events(connection: Connection, events: list[PendingEvent], *, pipelined: bool = False) -> None:
+    """Store the events' rows in the connection's transaction.
+
+    ``pipelined``: this is the commit's own write, which on psycopg may ride
+    with the COMMIT (see ``_pipeline``); elsewhere it is an ordinary INSERT.
+    """
     rows = _rows(events)
     if not rows:
         return
     dialect = connection.dialect.name
     if dialect == "postgresql":
         if connection.dialect.driver == "psycopg":
-            _psycopg_insert(connection, rows)
+            _psycopg_insert(connection, rows, pipelined=pipelined)
         else:
             connection.execute(_POSTGRESQL_INSERT, [_parsed(row) for row in rows])
     elif dialect == "sqlite":
