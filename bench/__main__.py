@@ -105,12 +105,15 @@ def _machine() -> dict[str, Any]:
 class Run:
     """Runs modes one by one; a mode that fails leaves its keys null and its reason in ``failures``."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle: Callable[[], float]) -> None:
         self.result: dict[str, Any] = dict.fromkeys(KEYS)
         self.failures: dict[str, str] = {}
         self.durations: dict[str, float] = {}
+        self.settled: dict[str, float] = {}
+        self._settle = settle
 
     def mode(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        self.settled[name] = self._settle()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         began = time.monotonic()
         try:
@@ -133,7 +136,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     sizes = QUICK if args.quick else FULL
     settings = RelaySettings(concurrency=args.concurrency, batch_size=args.batch_size)
     scratch = Scratch(args.database_url)
-    r = Run()
+    r = Run(scratch.settle)
     out = r.result
     out.update(_machine())
     out.update(
@@ -156,6 +159,20 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                 emit_per_s_without=emit["rate_without"],
                 emit_per_s_installed_no_emit=emit["rate_installed"],
                 emit_per_s_with=emit["rate_with"],
+            )
+        wake = r.mode(
+            "wake-up latency",
+            lambda: wake_latency(
+                scratch, rate=sizes.latency_rate, seconds=sizes.latency_seconds, settings=settings
+            ),
+        )
+        if wake:
+            out.update(
+                latency_ms_p50=wake["p50"],
+                latency_ms_p95=wake["p95"],
+                latency_ms_p99=wake["p99"],
+                latency_ms_max=wake["max"],
+                latency_samples=wake["samples"],
             )
         one = r.mode(
             "drain, 1 relay",
@@ -188,20 +205,6 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             )
             if out["drain_per_s_1"] is not None:
                 out["drain_vs_ceiling"] = out["drain_per_s_1"] / top["per_s"]
-        wake = r.mode(
-            "wake-up latency",
-            lambda: wake_latency(
-                scratch, rate=sizes.latency_rate, seconds=sizes.latency_seconds, settings=settings
-            ),
-        )
-        if wake:
-            out.update(
-                latency_ms_p50=wake["p50"],
-                latency_ms_p95=wake["p95"],
-                latency_ms_p99=wake["p99"],
-                latency_ms_max=wake["max"],
-                latency_samples=wake["samples"],
-            )
         mix = r.mode(
             "failure mix",
             lambda: drain_postgres(
@@ -244,6 +247,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                 out["sqlite_drain_per_s_1"] = lite_drain["per_s"]
     finally:
         scratch.close()
+    out["settle_seconds"] = round(sum(r.settled.values()), 1)
     out["machine_busy_after_pct"] = round(100 * _cpu_busy(), 1)
     out["failed_modes"] = ", ".join(r.failures) or None
     return out, r.failures

@@ -76,6 +76,36 @@ class Scratch:
         outbox.upgrade(url.render_as_string(hide_password=False))
         return url
 
+    def settle(self, timeout: float = 60.0) -> float:
+        """Let the server finish what earlier modes left behind; return the seconds that took.
+
+        A drain leaves tens of thousands of dead tuples and dirty pages: the
+        autovacuum workers and the checkpointer then compete for this
+        machine's two cores and its disk flushes with whatever runs next. A
+        mode starts only once a CHECKPOINT has written them out (skipped
+        without the privilege) and no autovacuum worker is running, so each
+        mode measures itself, not its predecessor's clean-up. The scratch
+        databases are vacuumed here, so autovacuum has no reason to wake up
+        in the middle of the next mode.
+        """
+        began = time.monotonic()
+        for name in self.databases:
+            with psycopg.connect(conninfo(self.server.set(database=name)), autocommit=True) as conn:
+                conn.execute("VACUUM (ANALYZE)")
+        with psycopg.connect(self._admin_conninfo(), autocommit=True) as conn:
+            try:
+                conn.execute("CHECKPOINT")
+            except psycopg.errors.InsufficientPrivilege:
+                pass
+            while time.monotonic() - began < timeout:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+                ).fetchone()
+                if row is None or row[0] == 0:
+                    break
+                time.sleep(0.25)
+        return time.monotonic() - began
+
     def sqlite(self, purpose: str) -> URL:
         url = make_url(f"sqlite:///{self.dir / (purpose + '.db')}")
         outbox.upgrade(url.render_as_string(hide_password=False))
