@@ -274,3 +274,20 @@ def test_an_engine_with_execution_options_shares_the_hooks(engine):
             s.add(Invoice(number=f"K-{number}"))
             emit(s, "invoice.issued", {"number": number})
     assert stored(engine) == (3, 3)
+
+
+def test_threads_committing_at_once_each_store_exactly_their_events(maker, engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(worker: int) -> None:
+        for number in range(40):
+            with maker() as s, s.begin():
+                s.add(Invoice(number=f"T{worker}-{number}"))
+                emit(s, "invoice.issued", {"number": f"{worker}-{number}"})
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        list(pool.map(work, range(6)))
+    assert stored(engine) == (240, 240)
+    with engine.connect() as conn:
+        numbers = conn.execute(select(m.c.payload["number"].as_string())).scalars().all()
+    assert sorted(numbers) == sorted(f"{w}-{n}" for w in range(6) for n in range(40))
