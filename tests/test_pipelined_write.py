@@ -150,21 +150,22 @@ def refuse_bad(engine: Engine) -> None:
         )
 
 
-def assert_blames_the_outbox_insert(error: IntegrityError) -> None:
-    # Reported against the statement that failed, not the COMMIT or a later query.
-    assert error.statement is not None
-    assert error.statement.startswith("INSERT INTO outbox_message")
-
-
-def test_a_failed_insert_is_raised_by_commit_and_stores_nothing(maker, engine, refuse_bad):
+def commit_refused_event(maker: sessionmaker[Session]) -> None:
+    """Commit an invoice with an event ``refuse_bad`` rejects: commit() must raise, blaming the INSERT."""
     s = maker()
-    s.add(Invoice(number="E-1"))
+    s.add(Invoice(number="refused"))
     emit(s, "invoice.issued", {"number": "bad"})
     with pytest.raises(IntegrityError, match="refuse_bad") as caught:
         s.commit()
-    assert_blames_the_outbox_insert(caught.value)
+    # Reported against the statement that failed, not the COMMIT or a later query.
+    assert caught.value.statement is not None
+    assert caught.value.statement.startswith("INSERT INTO outbox_message")
     s.rollback()
     s.close()
+
+
+def test_a_failed_insert_is_raised_by_commit_and_stores_nothing(maker, engine, refuse_bad):
+    commit_refused_event(maker)
     assert stored(engine) == (0, 0)
     # The pool hands out a healthy connection afterwards, and the next commit stores both rows.
     with maker() as s2, s2.begin():
@@ -178,14 +179,7 @@ def test_a_failed_insert_is_raised_by_the_next_statement_not_hidden(maker, engin
     def audit(session: Session) -> None:
         session.execute(text("SELECT 1"))
 
-    s = maker()
-    s.add(Invoice(number="F-1"))
-    emit(s, "invoice.issued", {"number": "bad"})
-    with pytest.raises(IntegrityError, match="refuse_bad") as caught:
-        s.commit()
-    assert_blames_the_outbox_insert(caught.value)
-    s.rollback()
-    s.close()
+    commit_refused_event(maker)
     assert stored(engine) == (0, 0)
 
 
