@@ -50,8 +50,20 @@ def supports_listen(engine: Engine) -> bool:
 
 
 def _connect_kwargs(engine: Engine, application_name: str) -> dict[str, Any]:
-    _, params = engine.dialect.create_connect_args(engine.url)
-    kwargs = dict(params)
+    """Settings for a psycopg connection of the relay's own: those of one the engine made.
+
+    Read off a live connection, they include what the engine knows beyond its
+    URL: ``connect_args`` (SSL files, ``options`` such as a search_path), a
+    ``creator``, ``do_connect`` listeners. The URL alone would send the claim
+    and LISTEN connections to another schema or server, or fail where the
+    server demands a client certificate. Blocking: call it from a thread.
+    """
+    with engine.connect() as conn:  # from the pool, once it holds one
+        raw: Any = conn.connection.dbapi_connection
+        info = raw.info
+        kwargs: dict[str, Any] = dict(info.get_parameters())
+        if info.password:  # get_parameters() leaves it out on purpose
+            kwargs["password"] = info.password
     # Keep-alives make the kernel notice a dead peer on an idle LISTEN socket.
     kwargs.setdefault("keepalives", 1)
     kwargs.setdefault("keepalives_idle", 30)
@@ -60,6 +72,19 @@ def _connect_kwargs(engine: Engine, application_name: str) -> dict[str, Any]:
     kwargs.setdefault("connect_timeout", 10)
     kwargs.setdefault("application_name", application_name)
     return kwargs
+
+
+async def _connect(engine: Engine, application_name: str, **options: Any) -> Any:
+    """A new psycopg AsyncConnection with the engine's settings; failures raise ``psycopg.Error``."""
+    import psycopg
+
+    try:
+        kwargs = await asyncio.to_thread(_connect_kwargs, engine, application_name)
+    except DBAPIError as exc:  # the engine could not connect either: report what psycopg said
+        if isinstance(exc.orig, psycopg.Error):
+            raise exc.orig from None
+        raise
+    return await psycopg.AsyncConnection.connect(**kwargs, **options)
 
 
 class LoopConnection:
@@ -77,7 +102,8 @@ class LoopConnection:
     def __init__(
         self, engine: Engine, application_name: str = "outbox-relay claim", *, settings: str = ""
     ) -> None:
-        self._kwargs = _connect_kwargs(engine, application_name)
+        self._engine = engine
+        self._application_name = application_name
         self._settings = settings
         self._conn: Any = None
 
@@ -95,8 +121,8 @@ class LoopConnection:
 
         try:
             if self._conn is None:
-                conn = await psycopg.AsyncConnection.connect(
-                    autocommit=True, row_factory=namedtuple_row, **self._kwargs
+                conn = await _connect(
+                    self._engine, self._application_name, autocommit=True, row_factory=namedtuple_row
                 )
                 if self._settings:
                     await conn.execute(self._settings)
@@ -132,7 +158,7 @@ class Listener:
         check_interval: float = 10.0,
         max_backoff: float = 30.0,
     ) -> None:
-        self._kwargs = _connect_kwargs(engine, "outbox-relay listen")
+        self._engine = engine
         self._on_notify = on_notify
         self._on_listening = on_listening
         self._check_interval = check_interval
@@ -146,7 +172,7 @@ class Listener:
         failures = 0
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(autocommit=True, **self._kwargs)
+                conn = await _connect(self._engine, "outbox-relay listen", autocommit=True)
             except psycopg.Error as exc:
                 failures += 1
                 await self._pause(failures, "connect", exc)
