@@ -54,17 +54,19 @@ class _Pending:
 #: always, so the per-statement hook costs one truth test on other connections.
 _pending: weakref.WeakKeyDictionary[psycopg.Connection[Any], _Pending] = weakref.WeakKeyDictionary()
 _hooked: weakref.WeakSet[Engine] = weakref.WeakSet()
+_SUPPORTED = psycopg.Pipeline.is_supported()
 
 
 def pipeline_connection(connection: Connection) -> psycopg.Connection[Any] | None:
     """The psycopg connection to pipeline on, or None where the plain INSERT must be used.
 
     Not for asyncio drivers (their pipeline is a coroutine API), autocommit
-    connections (there is no COMMIT to ride with), or a connection already in
-    pipeline mode (the application's own pipeline).
+    connections (there is no COMMIT to ride with), a connection already in
+    pipeline mode (the application's own pipeline), or a libpq older than 14,
+    which has no pipeline mode.
     """
     raw: Any = connection.connection.dbapi_connection
-    if type(raw) is not psycopg.Connection or raw.autocommit:
+    if type(raw) is not psycopg.Connection or raw.autocommit or not _SUPPORTED:
         return None
     if raw.pgconn.pipeline_status != pq.PipelineStatus.OFF or raw in _pending:
         return None

@@ -18,7 +18,6 @@ from sqlalchemy.sql.dml import Insert
 
 from ._exceptions import ConfigurationError, OutboxError
 from ._pending import PendingEvent
-from ._pipeline import pipeline_connection, send_in_pipeline
 from ._tables import outbox_message
 
 __all__ = ["aggregate_identity", "write_events"]
@@ -127,6 +126,9 @@ def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]
 
 
 def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]], *, pipelined: bool) -> None:
+    # Imported here: applications on SQLite never load psycopg.
+    from ._pipeline import pipeline_connection, send_in_pipeline
+
     statements = _psycopg_statements(rows)
     raw = pipeline_connection(connection) if pipelined else None
     if raw is not None:
