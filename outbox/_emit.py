@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from . import signals
 from ._exceptions import ConfigurationError, InvalidEmitOption, UnroutedEvent
-from ._install import outbox_for
+from ._install import outbox_for, write_late
 from ._payload import check_headers, serialise_payload, text_problem
 from ._pending import PendingEvent, events_of, innermost
 from ._routes import check_name, check_priority
@@ -105,6 +105,11 @@ def emit(
     """
     sync_session = _sync(session)
     outbox = outbox_for(sync_session)
+    if sync_session.twophase:
+        raise ConfigurationError(
+            "emit() cannot be used in a two-phase (twophase=True) session: PostgreSQL refuses "
+            "PREPARE TRANSACTION after the outbox's NOTIFY, and SQLite has no two-phase commit"
+        )
     if not isinstance(event_type, str) or not event_type:
         raise InvalidEmitOption(f"event_type must be a non-empty string, got {event_type!r}")
     routes = outbox.routes_for(event_type)
@@ -145,6 +150,16 @@ def emit(
     ]
     state = events_of(sync_session)
     assert state is not None
+    if state.commit_written:
+        # Emitted by a before_commit listener that runs after the Outbox's: the
+        # commit's write is done, so write this one now, or it would be lost.
+        transaction = sync_session.get_transaction()
+        if transaction is None or not transaction.is_active:
+            raise InvalidEmitOption(
+                f"{event_type!r} was emitted after its transaction committed, where it can no "
+                "longer be stored atomically; emit inside the transaction (before commit() "
+                "returns), or in a new one"
+            )
     state.add(
         PendingEvent(
             outbox=outbox,
@@ -154,6 +169,8 @@ def emit(
             tag=innermost(sync_session),
         )
     )
+    if state.commit_written:
+        write_late(sync_session)
     if signals.event_emitted.receivers:
         signals.event_emitted.send(
             outbox,

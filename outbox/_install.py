@@ -12,11 +12,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session, sessionmaker
 
 from . import signals
 from ._exceptions import ConfigurationError, NotInstalled
-from ._pending import events_of, innermost
+from ._pending import SessionEvents, events_of, innermost
+from ._tables import outbox_message
 from ._write import write_events
 
 if TYPE_CHECKING:
@@ -99,18 +101,31 @@ def outbox_for(session: Session) -> Outbox:
     return _served[owner]
 
 
-def _flush_owed(session: Session) -> None:
+_OUTBOX_BIND = {"clause": outbox_message}
+
+
+def _flush_owed(session: Session, *, pipelined: bool = False) -> None:
     state = events_of(session, create=False)
     if state is None:
         return
     owed = state.unwritten()
     if not owed:
         return
-    pipelined = state.committing and owed[0].outbox.pipeline_writes
-    write_events(session.connection(), owed, pipelined=pipelined)
+    # The outbox table's own bind, so sessionmaker(binds={...}) works without a default bind.
+    write_events(session.connection(bind_arguments=_OUTBOX_BIND), owed, pipelined=pipelined)
     current = innermost(session)
     for pending in owed:
         pending.written_in = current
+
+
+def write_late(session: Session) -> None:
+    """Write events emitted after the commit's write (by a later before_commit listener) at once."""
+    _flush_owed(session)
+
+
+def _last(listeners: Any, fn: Callable[..., Any]) -> bool:
+    """Is ``fn`` the last of a session's listeners for one event?"""
+    return bool(listeners) and list(listeners)[-1] is fn
 
 
 def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
@@ -125,23 +140,48 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
 
     def after_flush(session: Session, flush_context: Any) -> None:
         if mine(session):
-            _flush_owed(session)
+            state = events_of(session, create=False)
+            _flush_owed(session, pipelined=state is not None and state.committing)
 
     def before_commit(session: Session) -> None:
         if not mine(session):
             return
-        state = events_of(session, create=False)
-        if state is None or not state.unwritten():
+        root = session.get_nested_transaction() is None
+        state = events_of(session, create=root)
+        if state is None:
             return
-        # A flush first, so aggregates get their ids (after_flush writes then);
-        # a session with no ORM changes does not flush, so write what is left.
-        # Either write is the commit's own, which may ride with the COMMIT.
-        state.committing = True
-        try:
-            session.flush()
-            _flush_owed(session)
-        finally:
-            state.committing = False
+        if state.unwritten():
+            # A flush first, so aggregates get their ids (after_flush writes then);
+            # a session with no ORM changes does not flush, so write what is left.
+            state.committing = root and _may_pipeline(session, state)
+            try:
+                session.flush()
+                _flush_owed(session, pipelined=state.committing)
+            finally:
+                state.committing = False
+        if root:
+            # From here on an emit (by a later before_commit listener) is written at once.
+            state.commit_written = True
+
+    def _may_pipeline(session: Session, state: SessionEvents) -> bool:
+        """May this commit's write ride with the COMMIT (see _pipeline)?
+
+        Only when nothing but SQLAlchemy can run between the write and the
+        COMMIT, and that COMMIT is the session's own: the root transaction's
+        commit (a savepoint's "commit" is a RELEASE), on an engine the session
+        connects itself (not a Connection an outer transaction owns), with no
+        session listener after ours that could use the connection meanwhile.
+        """
+        if not state.events[0].outbox.pipeline_writes:
+            return False
+        if not isinstance(session.get_bind(clause=outbox_message), Engine):
+            return False
+        dispatch = session.dispatch
+        return (
+            not dispatch.after_flush_postexec
+            and _last(dispatch.before_commit, before_commit)
+            and _last(dispatch.after_flush, after_flush)
+        )
 
     def after_commit(session: Session) -> None:
         if session.get_nested_transaction() is not None or not mine(session):
@@ -166,6 +206,7 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
             state = events_of(session, create=False)
             if state is not None:
                 state.ended(transaction)
+                state.commit_written = False
 
     return [
         ("after_transaction_create", after_transaction_create),

@@ -79,8 +79,10 @@ class SessionEvents:
     """The buffer of one session; lives in ``session.info``."""
 
     events: list[PendingEvent] = field(default_factory=list)
-    #: True while ``before_commit`` writes: the last write before the COMMIT.
+    #: True while ``before_commit`` writes and may pipeline: the last write before the COMMIT.
     committing: bool = False
+    #: The root transaction's ``before_commit`` has written; later emits must write at once.
+    commit_written: bool = False
 
     def add(self, event: PendingEvent) -> None:
         self.events.append(event)

@@ -7,29 +7,35 @@ while that Python runs; the COMMIT follows in the same pipeline, and one wait
 reads both replies. The benchmark's emit overhead fell from about 1.4 to about
 1.2 (docs/performance.md).
 
-Only the write made by the commit's own flush goes this way. By then the
-application's code has run, so only SQLAlchemy can still touch the connection
-before the COMMIT, and every way it can is hooked here:
+A pending reply is a hazard for anything else that uses the connection: an
+error read by someone else's statement could be swallowed, after which the
+COMMIT would quietly turn into a ROLLBACK. So the caller (``_install``) only
+pipelines when nothing but SQLAlchemy itself can run between the INSERT and the
+COMMIT: the root transaction's commit, on a connection the session began and
+will commit itself, with no session listener after the Outbox's. Within that,
+every way SQLAlchemy can still touch the connection is hooked here:
 
-- any statement (savepoints, other listeners' queries, ``PREPARE TRANSACTION``)
-  first reads the pending replies, raising the INSERT's error as SQLAlchemy's
-  own exception with the INSERT's text;
-- the commit sends ``COMMIT`` into the pipeline and reads both replies, after
-  which psycopg's own commit has nothing left to do;
-- a rollback, of the transaction or of a savepoint, reads and discards them;
-- a connection going back to the pool leaves pipeline mode first.
-
-Flushes in the middle of a transaction still write the plain way, so an
-application iterating a server-side cursor while it emits never meets a
-connection in pipeline mode.
+- a statement first reads the pending reply; an error is raised there as
+  SQLAlchemy's own exception, and raised again by the commit, which cannot
+  succeed after it;
+- the commit sends ``COMMIT`` into the pipeline and reads both replies; a
+  failure is raised through SQLAlchemy's error handling (``handle_error``
+  listeners, disconnect detection), naming the statement that failed, and an
+  aborted transaction is rolled back first so the connection stays usable;
+- an interruption while waiting (a timeout, KeyboardInterrupt) cancels the
+  server's work and invalidates the connection: whether it committed is then
+  unknown, as with any COMMIT cut short;
+- a rollback, a pool reset, checkin, invalidation or close discards what is
+  pending; nothing ever goes back to the pool in pipeline mode.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import pq
@@ -41,6 +47,9 @@ __all__ = ["pipeline_connection", "send_in_pipeline"]
 
 log = logging.getLogger("outbox.write")
 
+_SUPPORTED = psycopg.Pipeline.is_supported()
+_SETTLED = (pq.TransactionStatus.IDLE, pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -48,47 +57,59 @@ class _Pending:
     pipeline: Any  # the context manager psycopg's Connection.pipeline() returns, entered
     cursor: psycopg.Cursor[Any]
     statement: str
+    #: Set when a statement read the reply early and it was an error: the COMMIT must fail too.
+    failure: psycopg.Error | None = None
 
 
-#: Pipelines sent and not yet answered, per DBAPI connection. Empty almost
-#: always, so the per-statement hook costs one truth test on other connections.
-_pending: weakref.WeakKeyDictionary[psycopg.Connection[Any], _Pending] = weakref.WeakKeyDictionary()
+#: Pending INSERTs by ``id()`` of their psycopg connection. Each entry holds its
+#: connection, so the id cannot be reused while it exists; every end of the
+#: transaction (commit, rollback, pool reset, checkin, invalidation, close)
+#: removes it. Empty almost always, so the hooks cost other connections one
+#: truth test.
+_pending: dict[int, _Pending] = {}
 _hooked: weakref.WeakSet[Engine] = weakref.WeakSet()
-_SUPPORTED = psycopg.Pipeline.is_supported()
+#: Every way a DBAPI connection leaves a transaction without SQLAlchemy's rollback.
+_POOL_EVENTS = ("reset", "checkin", "invalidate", "soft_invalidate", "close", "close_detached", "detach")
 
 
 def pipeline_connection(connection: Connection) -> psycopg.Connection[Any] | None:
     """The psycopg connection to pipeline on, or None where the plain INSERT must be used.
 
     Not for asyncio drivers (their pipeline is a coroutine API), autocommit
-    connections (there is no COMMIT to ride with), a connection already in
-    pipeline mode (the application's own pipeline), or a libpq older than 14,
-    which has no pipeline mode.
+    connections (there is no COMMIT to ride with), a connection inside a
+    savepoint, a connection already in pipeline mode (the application's own
+    pipeline), or a libpq older than 14, which has no pipeline mode.
     """
-    raw: Any = connection.connection.dbapi_connection
-    if type(raw) is not psycopg.Connection or raw.autocommit or not _SUPPORTED:
+    if not _SUPPORTED or connection.in_nested_transaction():
         return None
-    if raw.pgconn.pipeline_status != pq.PipelineStatus.OFF or raw in _pending:
+    raw: Any = connection.connection.dbapi_connection
+    if type(raw) is not psycopg.Connection or raw.autocommit:
+        return None
+    if raw.pgconn.pipeline_status != pq.PipelineStatus.OFF or id(raw) in _pending:
         return None
     return raw
 
 
 def send_in_pipeline(
-    connection: Connection, raw: psycopg.Connection[Any], statements: list[tuple[str, tuple[Any, ...]]]
+    connection: Connection, raw: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]
 ) -> None:
-    """Send the INSERTs without waiting; their replies are read by the hooks below."""
+    """Send the INSERT without waiting; its reply is read by the hooks below."""
     _hook(connection.engine)
-    pipeline = raw.pipeline()
-    pipeline.__enter__()
-    cursor = raw.cursor()
     try:
-        for sql, params in statements:
-            cursor.execute(sql, params)
-    except BaseException:
-        # Nothing is pending that the caller could still want: leave pipeline mode now.
-        pipeline.__exit__(None, None, None)
+        pipeline = raw.pipeline()
+        pipeline.__enter__()
+    except psycopg.Error as exc:
+        _raise(connection, exc, sql, params)
+    try:
+        cursor = raw.cursor()
+        cursor.execute(sql, params)
+    except BaseException as exc:
+        # Nothing is pending that anyone could still want: leave pipeline mode now.
+        pipeline.__exit__(*sys.exc_info())
+        if isinstance(exc, psycopg.Error):
+            _raise(connection, exc, sql, params)
         raise
-    _pending[raw] = _Pending(raw, pipeline, cursor, statements[0][0])
+    _pending[id(raw)] = _Pending(raw, pipeline, cursor, sql)
 
 
 def _root(engine: Engine) -> Engine:
@@ -106,79 +127,155 @@ def _hook(engine: Engine) -> None:
     event.listen(engine, "commit", _before_commit)
     event.listen(engine, "rollback", _before_rollback)
     event.listen(engine, "rollback_savepoint", _before_savepoint_rollback)
-    event.listen(engine, "reset", _before_pool_reset)
-    event.listen(engine, "checkin", _on_checkin)
+    for pool_event in _POOL_EVENTS:
+        event.listen(engine, pool_event, _discard_for_pool)
     _hooked.add(engine)
 
 
-def _take(raw: Any) -> _Pending | None:
-    if not _pending or raw is None:
+def _raw_of(connection: Connection) -> Any:
+    """The DBAPI connection, without checking one out or raising for an invalidated Connection."""
+    if connection.closed or connection.invalidated:
         return None
-    return _pending.pop(raw, None)
+    return connection.connection.dbapi_connection
 
 
-def _read_replies(connection: Connection, pending: _Pending, *, commit: bool) -> None:
-    """Read the pipeline's replies (after a COMMIT, if asked); raise failures as SQLAlchemy does."""
+def _raise(connection: Connection, exc: psycopg.Error, statement: str, params: Any) -> NoReturn:
+    """Raise ``exc`` as SQLAlchemy does for its statements: wrapped, through handle_error, disconnects."""
+    handle = getattr(connection, "_handle_dbapi_exception", None)
+    if handle is not None:
+        handle(exc, statement, params, None, None)
+    # Without SQLAlchemy's internal handler: the same, by hand (no handle_error listeners).
+    raw: Any = _raw_of(connection)
+    invalidated = connection.dialect.is_disconnect(exc, raw, None)  # type: ignore[arg-type]
+    if invalidated:
+        connection.invalidate(exc)
+    raise DBAPIError.instance(
+        statement,
+        params,
+        exc,
+        psycopg.Error,
+        hide_parameters=connection.engine.hide_parameters,
+        connection_invalidated=invalidated,
+        dialect=connection.dialect,
+    ) from exc
+
+
+def _rollback_quietly(raw: psycopg.Connection[Any]) -> None:
+    # An INSERT refused in the pipeline skips the COMMIT and leaves the server
+    # in an aborted transaction that SQLAlchemy believes is over: end it here.
+    if raw.info.transaction_status == pq.TransactionStatus.INERROR:
+        try:
+            raw.rollback()
+        except psycopg.Error as exc:
+            log.debug("rollback after a refused outbox INSERT failed: %s", type(exc).__name__)
+
+
+def _abandon(connection: Connection, raw: psycopg.Connection[Any]) -> None:
+    """Interrupted while the server works: stop it, and never reuse the connection."""
     try:
-        if commit:
-            pending.cursor.execute("COMMIT")
-        pending.pipeline.__exit__(None, None, None)
-    except psycopg.Error as exc:
-        raw: Any = pending.raw
-        invalidated = connection.dialect.is_disconnect(exc, raw, None)  # type: ignore[arg-type]
-        if invalidated:
-            connection.invalidate(exc)
-        raise DBAPIError.instance(
-            pending.statement,
-            None,
-            exc,
-            psycopg.Error,
-            hide_parameters=True,
-            connection_invalidated=invalidated,
-            dialect=connection.dialect,
-        ) from exc
-
-
-def _discard_replies(pending: _Pending) -> None:
-    """Leave pipeline mode on the way to a rollback; what the INSERT said no longer matters."""
+        raw.cancel_safe(timeout=5.0)
+    except Exception as exc:  # the connection may already be gone
+        log.debug("cancelling the interrupted outbox commit failed: %s", type(exc).__name__)
     try:
-        pending.pipeline.__exit__(None, None, None)
-    except psycopg.Error as exc:
-        log.debug("outbox INSERT discarded by a rollback: %s", type(exc).__name__)
+        connection.invalidate()
+    except Exception as exc:
+        log.debug("invalidating the interrupted connection failed: %s", type(exc).__name__)
+
+
+def _take(connection: Connection) -> _Pending | None:
+    raw = _raw_of(connection)
+    return None if raw is None else _pending.pop(id(raw), None)
+
+
+def _read(pending: _Pending) -> None:
+    """Leave pipeline mode, reading the replies; a refusal is raised as psycopg's error."""
+    pending.pipeline.__exit__(None, None, None)
 
 
 def _before_statement(connection: Connection, *args: Any) -> None:
-    if _pending:
-        pending = _take(connection.connection.dbapi_connection)
-        if pending is not None:
-            _read_replies(connection, pending, commit=False)
+    if not _pending:
+        return
+    pending = _take(connection)
+    if pending is None:
+        return
+    if pending.failure is not None:
+        # Someone already saw (and perhaps swallowed) the refusal: nothing else may run.
+        _pending[id(pending.raw)] = pending
+        _raise(connection, pending.failure, pending.statement, None)
+    try:
+        _read(pending)
+    except psycopg.Error as exc:
+        pending.failure = exc
+        _pending[id(pending.raw)] = pending  # kept: the commit must raise it again
+        _raise(connection, exc, pending.statement, None)
+    except BaseException:
+        _abandon(connection, pending.raw)
+        raise
 
 
 def _before_commit(connection: Connection) -> None:
-    if _pending:
-        pending = _take(connection.connection.dbapi_connection)
-        if pending is not None:
-            _read_replies(connection, pending, commit=True)
+    if not _pending:
+        return
+    pending = _take(connection)
+    if pending is None:
+        return
+    raw = pending.raw
+    if pending.failure is not None:
+        _rollback_quietly(raw)
+        _raise(connection, pending.failure, pending.statement, None)
+    try:
+        raw.cursor().execute("COMMIT")  # may already raise the INSERT's refusal
+        _read(pending)
+    except psycopg.Error as exc:
+        _leave(pending, sys.exc_info())
+        if raw.info.transaction_status not in _SETTLED:
+            _abandon(connection, raw)
+        else:
+            _rollback_quietly(raw)
+        inserted = (pending.cursor.statusmessage or "").startswith("INSERT")
+        _raise(connection, exc, "COMMIT" if inserted else pending.statement, None)
+    except BaseException:
+        # Interrupted while waiting: stop the server's work before anything else waits on it.
+        _abandon(connection, raw)
+        _leave(pending, sys.exc_info())
+        raise
+
+
+def _leave(pending: _Pending, exc_info: Any) -> None:
+    """Leave pipeline mode after a failure, if the failure came before the final read did."""
+    if pending.raw.closed or pending.raw.pgconn.pipeline_status == pq.PipelineStatus.OFF:
+        return
+    try:
+        pending.pipeline.__exit__(*exc_info)
+    except Exception as exc:  # the connection is already being given up
+        log.debug("leaving pipeline mode after a failure failed: %s", type(exc).__name__)
 
 
 def _before_rollback(connection: Connection) -> None:
     if _pending:
-        pending = _take(connection.connection.dbapi_connection)
+        pending = _take(connection)
         if pending is not None:
-            _discard_replies(pending)
+            _discard(pending)
 
 
 def _before_savepoint_rollback(connection: Connection, name: str, context: Any) -> None:
-    # A pending INSERT was sent after the newest SAVEPOINT (that statement read
-    # the replies before it), so rolling back to a savepoint undoes it anyway.
+    # Only reached from another thread's view or SQLAlchemy internals: a pipelined
+    # INSERT is never sent inside a savepoint (see pipeline_connection).
     _before_rollback(connection)
 
 
-def _before_pool_reset(dbapi_connection: Any, record: Any, reset_state: Any = None) -> None:
-    pending = _take(dbapi_connection)
-    if pending is not None:
-        _discard_replies(pending)
+def _discard_for_pool(dbapi_connection: Any, *args: Any) -> None:
+    if _pending and dbapi_connection is not None:
+        pending = _pending.pop(id(dbapi_connection), None)
+        if pending is not None:
+            _discard(pending)
 
 
-def _on_checkin(dbapi_connection: Any, record: Any) -> None:
-    _before_pool_reset(dbapi_connection, record)
+def _discard(pending: _Pending) -> None:
+    """Leave pipeline mode on the way to a rollback; what the INSERT said no longer matters."""
+    if pending.failure is not None:
+        return  # its pipeline was left when the failure was read
+    try:
+        _read(pending)
+    except psycopg.Error as exc:
+        log.debug("outbox INSERT discarded by a rollback: %s", type(exc).__name__)

@@ -130,9 +130,11 @@ def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]], *, pipel
     from ._pipeline import pipeline_connection, send_in_pipeline
 
     statements = _psycopg_statements(rows)
-    raw = pipeline_connection(connection) if pipelined else None
+    # One statement only: a refusal of the first of several would reach the
+    # caller as "pipeline aborted" from the second, hiding its reason.
+    raw = pipeline_connection(connection) if pipelined and len(statements) == 1 else None
     if raw is not None:
-        send_in_pipeline(connection, raw, statements)
+        send_in_pipeline(connection, raw, *statements[0])
         return
     for sql, params in statements:
         connection.exec_driver_sql(sql, params)

@@ -11,16 +11,20 @@ connection goes back to the pool ready for ordinary use.
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+import weakref
 from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import ForeignKey, create_engine, event, func, select, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InvalidRequestError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import outbox
-from outbox import ConfigurationError, Outbox, emit
+from outbox import ConfigurationError, InvalidEmitOption, Outbox, emit
 
 m = outbox.outbox_message
 
@@ -285,3 +289,283 @@ def test_threads_committing_at_once_each_store_exactly_their_events(maker, engin
     with engine.connect() as conn:
         numbers = conn.execute(select(m.c.payload["number"].as_string())).scalars().all()
     assert sorted(numbers) == sorted(f"{w}-{n}" for w in range(6) for n in range(40))
+
+
+# -- where the write must not ride with the COMMIT --------------------------------------------
+# In each case below something other than SQLAlchemy's commit could meet the
+# pending reply (a savepoint's caller, an outer transaction's owner, a later
+# listener), so the write is an ordinary statement and behaves as one.
+
+
+def test_a_refused_emit_inside_a_savepoint_leaves_the_outer_transaction_whole(maker, engine, refuse_bad):
+    s = maker()
+    s.add(Invoice(number="outer"))
+    emit(s, "invoice.issued", {"number": "outer"})
+    with pytest.raises(IntegrityError), s.begin_nested():
+        emit(s, "invoice.issued", {"number": "bad"})
+    s.commit()
+    s.close()
+    assert stored(engine) == (1, 1)
+
+
+JOIN_MODES = ["conditional_savepoint", "create_savepoint", "rollback_only", "control_fully"]
+
+
+@pytest.mark.parametrize("mode", JOIN_MODES)
+def test_a_session_on_a_callers_connection_raises_and_leaves_it_usable(engine, refuse_bad, mode):
+    ob = make_outbox()
+    factory = sessionmaker(join_transaction_mode=mode)
+    ob.install(factory)
+    with engine.connect() as conn:
+        conn.begin()
+        conn.execute(text("INSERT INTO invoices (number) VALUES ('outer')"))
+        s = factory(bind=conn)
+        s.add(Invoice(number="inner"))
+        emit(s, "invoice.issued", {"number": "bad"})
+        with pytest.raises(IntegrityError, match="refuse_bad"):
+            s.commit()
+        s.rollback()
+        s.close()
+        if conn.in_transaction() and conn.get_transaction().is_active:  # type: ignore[union-attr]
+            conn.rollback()
+        conn.execute(text("INSERT INTO invoices (number) VALUES ('next')"))
+        conn.commit()
+    invoices, messages = stored(engine)
+    assert messages == 0 and invoices >= 1
+
+
+def test_a_later_listener_swallowing_errors_cannot_hide_a_refused_event(maker, engine, refuse_bad):
+    @event.listens_for(maker, "before_commit")
+    def best_effort(session: Session) -> None:
+        try:
+            with session.begin_nested():
+                session.execute(text("SELECT 1"))
+        except DBAPIError:
+            pass
+
+    s = maker()
+    s.add(Invoice(number="x"))
+    emit(s, "invoice.issued", {"number": "bad"})
+    with pytest.raises(IntegrityError):
+        s.commit()
+    s.rollback()
+    s.close()
+    assert stored(engine) == (0, 0)
+
+
+def test_a_later_listener_may_use_the_raw_connection(maker, engine):
+    @event.listens_for(maker, "before_commit")
+    def bulk_audit(session: Session) -> None:
+        raw = session.connection().connection.dbapi_connection
+        with raw.cursor() as cur, cur.copy("COPY invoices (number) FROM STDIN") as copy:  # type: ignore[union-attr]
+            copy.write_row(("copied",))
+
+    with maker() as s, s.begin():
+        s.add(Invoice(number="x"))
+        emit(s, "invoice.issued", {"number": 1})
+    assert stored(engine) == (2, 1)
+
+
+def test_an_event_emitted_by_a_later_before_commit_listener_is_stored(maker, engine):
+    @event.listens_for(maker, "before_commit")
+    def follow_up(session: Session) -> None:
+        emit(session, "invoice.issued", {"number": "follow-up"})
+
+    with maker() as s, s.begin():
+        s.add(Invoice(number="x"))
+        emit(s, "invoice.issued", {"number": 1})
+    assert stored(engine) == (1, 2)
+
+
+def test_an_emit_after_the_commit_is_refused_not_dropped(maker, engine):
+    refused: list[Exception] = []
+
+    @event.listens_for(maker, "after_commit")
+    def too_late(session: Session) -> None:
+        try:
+            emit(session, "invoice.issued", {"number": "late"})
+        except InvalidEmitOption as exc:
+            refused.append(exc)
+
+    with maker() as s, s.begin():
+        s.add(Invoice(number="x"))
+        emit(s, "invoice.issued", {"number": 1})
+    assert len(refused) == 1 and "after its transaction committed" in str(refused[0])
+    assert stored(engine) == (1, 1)
+
+
+def test_a_two_phase_session_is_refused_at_emit(engine):
+    ob = make_outbox()
+    factory = sessionmaker(engine, twophase=True)
+    ob.install(factory)
+    with factory() as s, pytest.raises(ConfigurationError, match="two-phase"):
+        emit(s, "invoice.issued", {"number": 1})
+
+
+def test_the_outbox_table_may_have_a_bind_of_its_own(engine):
+    ob = make_outbox()
+    factory = sessionmaker(binds={Invoice: engine, m: engine})
+    ob.install(factory)
+    with factory() as s, s.begin():
+        s.add(Invoice(number="x"))
+        emit(s, "invoice.issued", {"number": 1})
+    assert stored(engine) == (1, 1)
+
+
+# -- failures on the pipelined path ------------------------------------------------------------
+
+
+def test_a_refused_insert_leaves_a_callers_connection_usable(engine, refuse_bad):
+    ob = make_outbox()
+    factory = sessionmaker()
+    ob.install(factory)
+    with engine.connect() as conn:
+        # A Connection with no transaction yet: the session begins and commits it itself.
+        s = factory(bind=conn, join_transaction_mode="control_fully")
+        s.add(Invoice(number="x"))
+        emit(s, "invoice.issued", {"number": "bad"})
+        with pytest.raises(IntegrityError) as caught:
+            s.commit()
+        s.rollback()
+        s.close()
+        assert conn.execute(text("SELECT 42")).scalar_one() == 42
+        conn.commit()
+    assert caught.value is not None  # the exception outlived the commit, as error reporters keep it
+    assert stored(engine) == (0, 0)
+
+
+def test_a_large_refused_commit_names_the_refusal(maker, engine, refuse_bad):
+    s = maker()
+    s.add(Invoice(number="x"))
+    emit(s, "invoice.issued", {"number": "bad"})
+    for number in range(2500):
+        emit(s, "invoice.issued", {"number": number})
+    with pytest.raises(IntegrityError, match="refuse_bad"):
+        s.commit()
+    s.rollback()
+    s.close()
+    assert stored(engine) == (0, 0)
+
+
+def test_handle_error_listeners_see_a_refused_insert(maker, engine, refuse_bad):
+    seen: list[str] = []
+    event.listen(engine, "handle_error", lambda ctx: seen.append(type(ctx.original_exception).__name__))
+    commit_refused_event(maker)
+    assert seen == ["CheckViolation"]
+
+
+def test_a_connection_lost_before_the_commit_is_reported_and_the_session_recovers(pg_url):
+    eng = create_engine(pg_url, connect_args={"options": "-c idle_in_transaction_session_timeout=200"})
+    Base.metadata.create_all(eng)
+    ob = make_outbox()
+    factory = sessionmaker(eng)
+    ob.install(factory)
+    s = factory()
+    s.add(Invoice(number="x"))
+    s.flush()
+    emit(s, "invoice.issued", {"number": 1})
+    time.sleep(0.6)  # the server ends the idle transaction and closes the connection
+    with pytest.raises(DBAPIError) as caught:
+        s.commit()
+    assert caught.value.connection_invalidated
+    s.rollback()
+    s.close()
+    assert stored(eng) == (0, 0)
+    eng.dispose()
+
+
+def test_an_invalidated_connection_is_not_kept_alive(maker, engine):
+    raws: list[weakref.ref[object]] = []
+
+    @event.listens_for(maker, "before_commit")
+    def drop_connection(session: Session) -> None:
+        raw = session.connection().connection.dbapi_connection
+        raws.append(weakref.ref(raw))
+        session.connection().invalidate()
+
+    s = maker()
+    s.add(Invoice(number="x"))
+    emit(s, "invoice.issued", {"number": 1})
+    with pytest.raises((DBAPIError, InvalidRequestError)):
+        s.commit()
+    s.close()
+    del s
+    gc.collect()
+    assert raws and raws[0]() is None
+
+
+def test_rollbacks_of_lost_connections_work_while_other_threads_commit(maker, engine, pg_url):
+    """Other threads' pending writes must not trip SQLAlchemy's rollback of a dead connection."""
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    stop = threading.Event()
+
+    def commit_forever() -> None:
+        number = 0
+        while not stop.is_set():
+            with maker() as s, s.begin():
+                s.add(Invoice(number=f"bg-{number}"))
+                emit(s, "invoice.issued", {"number": number})
+            number += 1
+
+    workers = [threading.Thread(target=commit_forever) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    problems: list[Exception] = []
+    try:
+        for _ in range(25):
+            victim = Session(engine)
+            victim.execute(text("SELECT 1"))
+            pid = victim.connection().connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+            with admin.connect() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            with pytest.raises(OperationalError):
+                victim.execute(text("SELECT 1"))
+            try:
+                victim.rollback()
+            except Exception as exc:
+                problems.append(exc)
+            victim.close()
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+        admin.dispose()
+    assert problems == []
+    invoices, messages = stored(engine)
+    assert invoices == messages > 0
+
+
+def test_an_interrupted_commit_commits_nothing_and_gives_up_its_connection(maker, engine):
+    """Ctrl-C while the INSERT waits for a lock: the server's work is cancelled, nothing commits."""
+    import os
+    import signal
+
+    blocker = engine.connect()
+    blocker.begin()
+    # Another transaction holds the same idempotency key, so our INSERT waits on its row lock.
+    blocker.execute(
+        text(
+            "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
+            " idempotency_key, max_attempts, created_at, updated_at, available_at)"
+            " VALUES (gen_random_uuid(), 'invoice.issued', 'mail', 'default', 0, '{}', '{}', 'K', 1,"
+            " now(), now(), now())"
+        )
+    )
+    s = maker()
+    s.add(Invoice(number="x"))
+    emit(s, "invoice.issued", {"number": 1}, key="K")
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.commit()
+    finally:
+        timer.cancel()
+        blocker.rollback()
+        blocker.close()
+    s.close()
+    assert stored(engine) == (0, 0)
+    with maker() as s2, s2.begin():  # the pool's next connection is healthy
+        s2.add(Invoice(number="y"))
+        emit(s2, "invoice.issued", {"number": 2}, key="K")
+    assert stored(engine) == (1, 1)
