@@ -150,27 +150,29 @@ def emit(
     ]
     state = events_of(sync_session)
     assert state is not None
+    transaction = sync_session.get_transaction()
+    if transaction is not None and not transaction.is_active:
+        raise InvalidEmitOption(
+            f"{event_type!r} was emitted in a transaction that has ended or failed (in an "
+            "after_commit or after_rollback listener, or after a failed flush or commit), where "
+            "it can no longer be stored atomically; emit it in a new transaction"
+        )
+    pending = PendingEvent(
+        outbox=outbox,
+        event_id=event_id,
+        rows=rows,
+        aggregate=_aggregate,
+        tag=innermost(sync_session),
+    )
+    state.add(pending)
     if state.commit_written:
         # Emitted by a before_commit listener that runs after the Outbox's: the
         # commit's write is done, so write this one now, or it would be lost.
-        transaction = sync_session.get_transaction()
-        if transaction is None or not transaction.is_active:
-            raise InvalidEmitOption(
-                f"{event_type!r} was emitted after its transaction committed, where it can no "
-                "longer be stored atomically; emit inside the transaction (before commit() "
-                "returns), or in a new one"
-            )
-    state.add(
-        PendingEvent(
-            outbox=outbox,
-            event_id=event_id,
-            rows=rows,
-            aggregate=_aggregate,
-            tag=innermost(sync_session),
-        )
-    )
-    if state.commit_written:
-        write_late(sync_session)
+        try:
+            write_late(sync_session)
+        except BaseException:
+            state.discard(pending)  # refused: as if never emitted
+            raise
     if signals.event_emitted.receivers:
         signals.event_emitted.send(
             outbox,

@@ -15,11 +15,11 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session, sessionmaker
 
-from . import signals
+from . import _pipeline_hooks, signals
 from ._exceptions import ConfigurationError, NotInstalled
 from ._pending import SessionEvents, events_of, innermost
 from ._tables import outbox_message
-from ._write import write_events
+from ._write import aggregate_identity, write_events
 
 if TYPE_CHECKING:
     from ._outbox import Outbox
@@ -119,7 +119,22 @@ def _flush_owed(session: Session, *, pipelined: bool = False) -> None:
 
 
 def write_late(session: Session) -> None:
-    """Write events emitted after the commit's write (by a later before_commit listener) at once."""
+    """Write events emitted after the commit's own write (by a later before_commit listener).
+
+    Outside a flush: flush first, so a new aggregate gets its id (after_flush
+    then writes), and write what is left. Inside a flush, an event whose
+    aggregate has no id yet is left to that flush's after_flush or
+    after_flush_postexec, which run once ids are known.
+    """
+    if getattr(session, "_flushing", False):
+        state = events_of(session, create=False)
+        if state is not None and any(
+            event.aggregate is not None and aggregate_identity(event.aggregate) is None
+            for event in state.unwritten()
+        ):
+            return
+    else:
+        session.flush()
     _flush_owed(session)
 
 
@@ -141,15 +156,24 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
     def after_flush(session: Session, flush_context: Any) -> None:
         if mine(session):
             state = events_of(session, create=False)
-            _flush_owed(session, pipelined=state is not None and state.committing)
+            if state is None or not state.committing:  # else before_commit writes, after the flush
+                _flush_owed(session)
+
+    def after_flush_postexec(session: Session, flush_context: Any) -> None:
+        # Events emitted by after_flush listeners that ran after ours.
+        if mine(session):
+            state = events_of(session, create=False)
+            if state is not None and not state.committing:
+                _flush_owed(session)
 
     def before_commit(session: Session) -> None:
         if not mine(session):
             return
+        # Fired for a savepoint's commit too, and (when the root commits with a
+        # savepoint still open) twice with the savepoint present.
         root = session.get_nested_transaction() is None
-        state = events_of(session, create=root)
-        if state is None:
-            return
+        state = events_of(session)
+        assert state is not None
         if state.unwritten():
             # A flush first, so aggregates get their ids (after_flush writes then);
             # a session with no ORM changes does not flush, so write what is left.
@@ -159,9 +183,8 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
                 _flush_owed(session, pipelined=state.committing)
             finally:
                 state.committing = False
-        if root:
-            # From here on an emit (by a later before_commit listener) is written at once.
-            state.commit_written = True
+        # Until this transaction ends, an emit (by a later before_commit listener) is written at once.
+        state.commit_written = True
 
     def _may_pipeline(session: Session, state: SessionEvents) -> bool:
         """May this commit's write ride with the COMMIT (see _pipeline)?
@@ -170,18 +193,15 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
         COMMIT, and that COMMIT is the session's own: the root transaction's
         commit (a savepoint's "commit" is a RELEASE), on an engine the session
         connects itself (not a Connection an outer transaction owns), with no
-        session listener after ours that could use the connection meanwhile.
+        before_commit listener after ours that could use the connection
+        meanwhile. The write is sent after the commit's flush has finished, so
+        no flush or lifecycle listener runs while its reply is pending.
         """
         if not state.events[0].outbox.pipeline_writes:
             return False
         if not isinstance(session.get_bind(clause=outbox_message), Engine):
             return False
-        dispatch = session.dispatch
-        return (
-            not dispatch.after_flush_postexec
-            and _last(dispatch.before_commit, before_commit)
-            and _last(dispatch.after_flush, after_flush)
-        )
+        return _last(session.dispatch.before_commit, before_commit)
 
     def after_commit(session: Session) -> None:
         if session.get_nested_transaction() is not None or not mine(session):
@@ -202,15 +222,20 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
                 state.rolled_back(previous)
 
     def after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-        if transaction.parent is None and mine(session):
-            state = events_of(session, create=False)
-            if state is not None:
-                state.ended(transaction)
-                state.commit_written = False
+        if not mine(session):
+            return
+        state = events_of(session, create=False)
+        if state is None:
+            return
+        if transaction.nested or transaction.parent is None:  # a savepoint or the database transaction
+            state.commit_written = False
+        if transaction.parent is None:
+            state.ended(transaction)
 
     return [
         ("after_transaction_create", after_transaction_create),
         ("after_flush", after_flush),
+        ("after_flush_postexec", after_flush_postexec),
         ("before_commit", before_commit),
         ("after_commit", after_commit),
         ("after_soft_rollback", after_soft_rollback),
@@ -226,6 +251,8 @@ def install(outbox: Outbox, target: Any) -> None:
             f"{cls.__name__} sessions are already served by another Outbox; give each Outbox "
             "its own sessionmaker, or uninstall the other first"
         )
+    if outbox.pipeline_writes:
+        _pipeline_hooks.attach()
     if cls not in _listeners:
         listeners = _listeners_for(cls)
         for name, fn in listeners:

@@ -87,6 +87,9 @@ class SessionEvents:
     def add(self, event: PendingEvent) -> None:
         self.events.append(event)
 
+    def discard(self, event: PendingEvent) -> None:
+        self.events = [kept for kept in self.events if kept is not event]
+
     def unwritten(self) -> list[PendingEvent]:
         return [event for event in self.events if event.written_in is None]
 

@@ -12,13 +12,15 @@ error read by someone else's statement could be swallowed, after which the
 COMMIT would quietly turn into a ROLLBACK. So the caller (``_install``) only
 pipelines when nothing but SQLAlchemy itself can run between the INSERT and the
 COMMIT: the root transaction's commit, on a connection the session began and
-will commit itself, with no session listener after the Outbox's. Within that,
-every way SQLAlchemy can still touch the connection is hooked here:
+will commit itself, sent after the commit's flush, with no ``before_commit``
+listener after the Outbox's. Within that, every way SQLAlchemy can still touch
+the connection is hooked (``_pipeline_hooks``) and handled here:
 
 - a statement first reads the pending reply; an error is raised there as
   SQLAlchemy's own exception, and raised again by the commit, which cannot
   succeed after it;
-- the commit sends ``COMMIT`` into the pipeline and reads both replies; a
+- the commit sends ``COMMIT`` into the pipeline (unless an engine ``commit``
+  listener comes after ours and might still veto) and reads both replies; a
   failure is raised through SQLAlchemy's error handling (``handle_error``
   listeners, disconnect detection), naming the statement that failed, and an
   aborted transaction is rolled back first so the connection stays usable;
@@ -33,17 +35,24 @@ from __future__ import annotations
 
 import logging
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import psycopg
 from psycopg import pq
-from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, StatementError
 
-__all__ = ["pipeline_connection", "send_in_pipeline"]
+from . import _pipeline_hooks as _hooks
+
+__all__ = [
+    "before_commit",
+    "before_rollback",
+    "before_statement",
+    "leaving_pool",
+    "pipeline_connection",
+    "send_in_pipeline",
+]
 
 log = logging.getLogger("outbox.write")
 
@@ -61,15 +70,7 @@ class _Pending:
     failure: psycopg.Error | None = None
 
 
-#: Pending INSERTs by ``id()`` of their psycopg connection. Each entry holds its
-#: connection, so the id cannot be reused while it exists; every end of the
-#: transaction (commit, rollback, pool reset, checkin, invalidation, close)
-#: removes it. Empty almost always, so the hooks cost other connections one
-#: truth test.
-_pending: dict[int, _Pending] = {}
-_hooked: weakref.WeakSet[Engine] = weakref.WeakSet()
-#: Every way a DBAPI connection leaves a transaction without SQLAlchemy's rollback.
-_POOL_EVENTS = ("reset", "checkin", "invalidate", "soft_invalidate", "close", "close_detached", "detach")
+_pending = _hooks.pending
 
 
 def pipeline_connection(connection: Connection) -> psycopg.Connection[Any] | None:
@@ -80,7 +81,7 @@ def pipeline_connection(connection: Connection) -> psycopg.Connection[Any] | Non
     savepoint, a connection already in pipeline mode (the application's own
     pipeline), or a libpq older than 14, which has no pipeline mode.
     """
-    if not _SUPPORTED or connection.in_nested_transaction():
+    if not _SUPPORTED or not _hooks.attached() or connection.in_nested_transaction():
         return None
     raw: Any = connection.connection.dbapi_connection
     if type(raw) is not psycopg.Connection or raw.autocommit:
@@ -94,7 +95,6 @@ def send_in_pipeline(
     connection: Connection, raw: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]
 ) -> None:
     """Send the INSERT without waiting; its reply is read by the hooks below."""
-    _hook(connection.engine)
     try:
         pipeline = raw.pipeline()
         pipeline.__enter__()
@@ -110,26 +110,6 @@ def send_in_pipeline(
             _raise(connection, exc, sql, params)
         raise
     _pending[id(raw)] = _Pending(raw, pipeline, cursor, sql)
-
-
-def _root(engine: Engine) -> Engine:
-    # engine.execution_options(...) makes an OptionEngine per call; hook the engine it
-    # proxies (whose listeners it shares) so listeners do not pile up per call.
-    proxied = getattr(engine, "_proxied", None)
-    return _root(proxied) if isinstance(proxied, Engine) else engine
-
-
-def _hook(engine: Engine) -> None:
-    engine = _root(engine)
-    if engine in _hooked:
-        return
-    event.listen(engine, "before_cursor_execute", _before_statement)
-    event.listen(engine, "commit", _before_commit)
-    event.listen(engine, "rollback", _before_rollback)
-    event.listen(engine, "rollback_savepoint", _before_savepoint_rollback)
-    for pool_event in _POOL_EVENTS:
-        event.listen(engine, pool_event, _discard_for_pool)
-    _hooked.add(engine)
 
 
 def _raw_of(connection: Connection) -> Any:
@@ -192,30 +172,57 @@ def _read(pending: _Pending) -> None:
     pending.pipeline.__exit__(None, None, None)
 
 
-def _before_statement(connection: Connection, *args: Any) -> None:
-    if not _pending:
-        return
+def before_statement(connection: Connection) -> None:
     pending = _take(connection)
     if pending is None:
         return
     if pending.failure is not None:
         # Someone already saw (and perhaps swallowed) the refusal: nothing else may run.
         _pending[id(pending.raw)] = pending
-        _raise(connection, pending.failure, pending.statement, None)
+        raise _wrapped(connection, pending.failure, pending.statement)
     try:
         _read(pending)
     except psycopg.Error as exc:
+        _give_up_if_interrupted(connection, pending, exc)
         pending.failure = exc
         _pending[id(pending.raw)] = pending  # kept: the commit must raise it again
-        _raise(connection, exc, pending.statement, None)
+        # Raised wrapped but not handled here: SQLAlchemy's handling of the
+        # statement being run passes it to handle_error listeners once.
+        raise _wrapped(connection, exc, pending.statement) from exc
     except BaseException:
         _abandon(connection, pending.raw)
         raise
 
 
-def _before_commit(connection: Connection) -> None:
-    if not _pending:
-        return
+def _wrapped(connection: Connection, exc: psycopg.Error, statement: str) -> StatementError:
+    return DBAPIError.instance(
+        statement,
+        None,
+        exc,
+        psycopg.Error,
+        hide_parameters=connection.engine.hide_parameters,
+        dialect=connection.dialect,
+    )
+
+
+def _give_up_if_interrupted(connection: Connection, pending: _Pending, exc: psycopg.Error) -> None:
+    """A timeout or signal cut the wait short and psycopg reported its own state instead: re-raise it.
+
+    psycopg leaving pipeline mode mid-wait raises "cannot exit pipeline mode
+    while busy", hiding the caller's exception in ``__context__``; the
+    connection is then still busy and must be given up, not reused.
+    """
+    cause = exc.__context__
+    interrupted = cause is not None and not isinstance(cause, psycopg.Error)
+    if interrupted or (not pending.raw.closed and pending.raw.info.transaction_status not in _SETTLED):
+        _abandon(connection, pending.raw)
+        _leave(pending, (type(exc), exc, exc.__traceback__))
+        if interrupted:
+            assert cause is not None
+            raise cause
+
+
+def before_commit(connection: Connection) -> None:
     pending = _take(connection)
     if pending is None:
         return
@@ -223,15 +230,17 @@ def _before_commit(connection: Connection) -> None:
     if pending.failure is not None:
         _rollback_quietly(raw)
         _raise(connection, pending.failure, pending.statement, None)
+    # The COMMIT rides in the pipeline only if no commit listener comes after
+    # this one: a later listener may still veto, and must see nothing committed.
+    ride = _hooks.is_last_commit_listener(connection)
     try:
-        raw.cursor().execute("COMMIT")  # may already raise the INSERT's refusal
+        if ride:
+            raw.cursor().execute("COMMIT")  # may already raise the INSERT's refusal
         _read(pending)
     except psycopg.Error as exc:
+        _give_up_if_interrupted(connection, pending, exc)
         _leave(pending, sys.exc_info())
-        if raw.info.transaction_status not in _SETTLED:
-            _abandon(connection, raw)
-        else:
-            _rollback_quietly(raw)
+        _rollback_quietly(raw)
         inserted = (pending.cursor.statusmessage or "").startswith("INSERT")
         _raise(connection, exc, "COMMIT" if inserted else pending.statement, None)
     except BaseException:
@@ -251,24 +260,16 @@ def _leave(pending: _Pending, exc_info: Any) -> None:
         log.debug("leaving pipeline mode after a failure failed: %s", type(exc).__name__)
 
 
-def _before_rollback(connection: Connection) -> None:
-    if _pending:
-        pending = _take(connection)
-        if pending is not None:
-            _discard(pending)
+def before_rollback(connection: Connection) -> None:
+    pending = _take(connection)
+    if pending is not None:
+        _discard(pending)
 
 
-def _before_savepoint_rollback(connection: Connection, name: str, context: Any) -> None:
-    # Only reached from another thread's view or SQLAlchemy internals: a pipelined
-    # INSERT is never sent inside a savepoint (see pipeline_connection).
-    _before_rollback(connection)
-
-
-def _discard_for_pool(dbapi_connection: Any, *args: Any) -> None:
-    if _pending and dbapi_connection is not None:
-        pending = _pending.pop(id(dbapi_connection), None)
-        if pending is not None:
-            _discard(pending)
+def leaving_pool(dbapi_connection: Any) -> None:
+    pending = _pending.pop(id(dbapi_connection), None)
+    if pending is not None:
+        _discard(pending)
 
 
 def _discard(pending: _Pending) -> None:
