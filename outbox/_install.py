@@ -143,6 +143,12 @@ def _last(listeners: Any, fn: Callable[..., Any]) -> bool:
     return bool(listeners) and list(listeners)[-1] is fn
 
 
+def _only(listeners: Any, fn: Callable[..., Any]) -> bool:
+    """Is ``fn`` a session's only listener for one event?"""
+    found = list(listeners)
+    return len(found) == 1 and found[0] is fn
+
+
 def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
     def mine(session: Session) -> bool:
         return _owner(session) is cls
@@ -154,10 +160,26 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
                 state.adopt(transaction)
 
     def after_flush(session: Session, flush_context: Any) -> None:
-        if mine(session):
-            state = events_of(session, create=False)
-            if state is None or not state.committing:  # else before_commit writes, after the flush
-                _flush_owed(session)
+        if not mine(session):
+            return
+        state = events_of(session, create=False)
+        if state is None or not state.committing:
+            _flush_owed(session)
+        elif _rest_of_flush_is_quiet(session):
+            # The commit's flush: send now, so PostgreSQL works while the flush winds up.
+            _flush_owed(session, pipelined=True)
+        # else before_commit writes once the flush has finished
+
+    def _rest_of_flush_is_quiet(session: Session) -> bool:
+        """Will nothing but our own listeners run between here and the flush's end?"""
+        dispatch = session.dispatch
+        return (
+            _last(dispatch.after_flush, after_flush)
+            and _only(dispatch.after_flush_postexec, after_flush_postexec)
+            and _only(dispatch.after_transaction_end, after_transaction_end)
+            and not dispatch.pending_to_persistent
+            and not dispatch.persistent_to_deleted
+        )
 
     def after_flush_postexec(session: Session, flush_context: Any) -> None:
         # Events emitted by after_flush listeners that ran after ours.
@@ -207,7 +229,7 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
         if session.get_nested_transaction() is not None or not mine(session):
             return
         state = events_of(session, create=False)
-        if state is None:
+        if state is None or not signals.messages_committed.receivers:
             return
         queues: dict[Outbox, set[str]] = {}
         for pending in state.written():

@@ -569,3 +569,19 @@ def test_an_interrupted_commit_commits_nothing_and_gives_up_its_connection(maker
         s2.add(Invoice(number="y"))
         emit(s2, "invoice.issued", {"number": 2}, key="K")
     assert stored(engine) == (1, 1)
+
+
+@pytest.mark.parametrize("hook", ["after_flush", "after_flush_postexec", "pending_to_persistent"])
+def test_flush_listeners_after_ours_may_use_the_raw_connection(maker, engine, hook):
+    """They run during the commit's flush, so the INSERT must not be pending in pipeline mode then."""
+
+    def bulk_audit(session: Session, *args: object) -> None:
+        raw = session.connection().connection.dbapi_connection
+        with raw.cursor() as cur, cur.copy("COPY invoices (number) FROM STDIN") as copy:  # type: ignore[union-attr]
+            copy.write_row(("copied",))
+
+    event.listen(maker, hook, bulk_audit)
+    with maker() as s, s.begin():
+        s.add(Invoice(number="x"))
+        emit(s, "invoice.issued", {"number": 1})
+    assert stored(engine) == (2, 1)
