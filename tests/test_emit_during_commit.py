@@ -17,40 +17,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import create_engine, event, func, select, text
+from invoices import Base, Invoice, add_refuse_bad, make_outbox, stored, take_row_lock
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
-import outbox
-from outbox import InvalidEmitOption, Outbox, OutboxError, OutboxMixin, emit
-
-m = outbox.outbox_message
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class Invoice(OutboxMixin, Base):
-    __tablename__ = "invoices"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    number: Mapped[str]
-
-
-def make_outbox() -> Outbox:
-    ob = Outbox()
-    ob.route("invoice.issued", lambda message: None, name="mail")
-    ob.route("invoice.created", lambda message: None, name="created")
-    return ob
-
-
-def stored(engine: Engine) -> tuple[int, int]:
-    """(invoices, outbox rows), read on a connection of its own."""
-    with engine.connect() as conn:
-        invoices = conn.execute(select(func.count()).select_from(Invoice)).scalar_one()
-        messages = conn.execute(select(func.count()).select_from(m)).scalar_one()
-    return invoices, messages
+from outbox import InvalidEmitOption, OutboxError, emit
 
 
 @pytest.fixture
@@ -68,11 +41,7 @@ def pg(pg_engine: Engine) -> Iterator[Engine]:
 
 @pytest.fixture
 def refuse_bad(pg: Engine) -> None:
-    """A real constraint the outbox INSERT of ``{"number": "bad"}`` violates."""
-    with pg.begin() as conn:
-        conn.execute(
-            text("ALTER TABLE outbox_message ADD CONSTRAINT refuse_bad CHECK (payload->>'number' <> 'bad')")
-        )
+    add_refuse_bad(pg)
 
 
 def installed(engine: Engine) -> sessionmaker[Session]:
@@ -82,47 +51,18 @@ def installed(engine: Engine) -> sessionmaker[Session]:
     return maker
 
 
-def take_row_lock(engine: Engine, key: str):  # type: ignore[no-untyped-def]
-    """Another transaction holds idempotency key ``key``: an INSERT with that key waits on it."""
-    blocker = engine.connect()
-    blocker.begin()
-    blocker.execute(
-        text(
-            "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
-            " idempotency_key, max_attempts, created_at, updated_at, available_at)"
-            " VALUES (gen_random_uuid(), 'invoice.issued', 'mail', 'default', 0, '{}', '{}', :k, 1,"
-            " now(), now(), now())"
-        ),
-        {"k": key},
-    )
-    return blocker
-
-
-def test_a_before_flush_listener_may_emit_for_new_aggregates(db):
-    """The common 'domain events in before_flush' pattern, with no earlier emit in the
-    transaction: the commit's own flush emits for rows that have no id yet."""
+@pytest.mark.parametrize("hook", ["before_flush", "before_commit"])
+def test_a_listener_may_announce_new_aggregates_while_the_session_commits(db, hook):
+    """Domain events for rows that have no id yet, emitted by a before_flush listener (with
+    no earlier emit in the transaction) or by a before_commit listener after the Outbox's."""
     maker = installed(db)
 
-    @event.listens_for(maker, "before_flush")
-    def announce(session, flush_context, instances):  # type: ignore[no-untyped-def]
+    def announce(session: Session, *args: object) -> None:
         for obj in list(session.new):
             if isinstance(obj, Invoice):
                 obj.emit("invoice.created", {"number": obj.number})
 
-    with maker() as s, s.begin():
-        s.add(Invoice(number="x"))
-    assert stored(db) == (1, 1)
-
-
-def test_a_later_before_commit_listener_may_emit_from_a_new_aggregate(db):
-    maker = installed(db)
-
-    @event.listens_for(maker, "before_commit")
-    def announce(session):  # type: ignore[no-untyped-def]
-        for obj in list(session.new):
-            if isinstance(obj, Invoice):
-                obj.emit("invoice.created", {"number": obj.number})
-
+    event.listen(maker, hook, announce)
     with maker() as s, s.begin():
         s.add(Invoice(number="x"))
     assert stored(db) == (1, 1)
@@ -286,44 +226,22 @@ def test_a_pending_to_persistent_listener_may_use_the_raw_connection(pg):
     assert stored(pg) == (2, 1)
 
 
-def test_a_signal_timeout_during_the_commit_surfaces_as_itself(pg):
+@pytest.mark.parametrize("statement_during_commit", [False, True])
+def test_a_signal_timeout_during_the_commit_surfaces_as_itself(pg, caplog, statement_during_commit):
+    """A request timeout (SIGALRM) while the INSERT waits on a row lock: the TimeoutError
+    surfaces, nothing is stored, and the connection is given up rather than handed back to
+    the pool busy (which would log "Exception during reset or similar"). With a listener
+    running a statement during the commit, the wait happens in that statement instead."""
     maker = installed(pg)
-    blocker = take_row_lock(pg, "K")
+    if statement_during_commit:
 
-    def on_alarm(signum, frame):  # type: ignore[no-untyped-def]
-        raise TimeoutError("request took too long")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    s = maker()
-    s.add(Invoice(number="x"))
-    emit(s, "invoice.issued", {"number": 1}, key="K")
-    signal.setitimer(signal.ITIMER_REAL, 0.3)
-    try:
-        with pytest.raises(TimeoutError):
-            s.commit()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        s.close()
-        blocker.rollback()
-        blocker.close()
-    assert stored(pg) == (0, 0)
-
-
-def test_a_signal_timeout_in_a_statement_during_the_commit_surfaces_as_itself(pg, caplog):
-    """The same, when the wait is in _before_statement (a statement run after the pipelined
-    INSERT, here by a pending_to_persistent listener): the timeout must surface, and the
-    connection must be given up, not left in pipeline mode for the session's rollback and the
-    pool's reset to fail on ("Exception during reset or similar")."""
-    maker = installed(pg)
-
-    @event.listens_for(maker, "pending_to_persistent")
-    def lookup(session, instance):  # type: ignore[no-untyped-def]
-        session.execute(text("SELECT 1"))
+        @event.listens_for(maker, "pending_to_persistent")
+        def lookup(session: Session, instance: object) -> None:
+            session.execute(text("SELECT 1"))
 
     blocker = take_row_lock(pg, "K")
 
-    def on_alarm(signum, frame):  # type: ignore[no-untyped-def]
+    def on_alarm(signum: int, frame: object) -> None:
         raise TimeoutError("request took too long")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)

@@ -18,39 +18,13 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import ForeignKey, create_engine, event, func, select, text
+from invoices import Base, Invoice, Line, add_refuse_bad, m, make_outbox, stored, take_row_lock
+from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, InvalidRequestError, OperationalError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
-import outbox
 from outbox import ConfigurationError, InvalidEmitOption, Outbox, emit
-
-m = outbox.outbox_message
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class Invoice(Base):
-    __tablename__ = "invoices"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    number: Mapped[str]
-
-
-class Line(Base):
-    """Its foreign key is checked at COMMIT, so a bad line fails the COMMIT itself."""
-
-    __tablename__ = "invoice_lines"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    invoice_id: Mapped[int] = mapped_column(ForeignKey("invoices.id", deferrable=True, initially="DEFERRED"))
-
-
-def make_outbox(**options: bool) -> Outbox:
-    ob = Outbox(**options)
-    ob.route("invoice.issued", lambda message: None, name="mail")
-    return ob
 
 
 @pytest.fixture
@@ -66,14 +40,6 @@ def maker(engine: Engine) -> Iterator[sessionmaker[Session]]:
     ob.install(factory)
     yield factory
     ob.uninstall(factory)
-
-
-def stored(engine: Engine) -> tuple[int, int]:
-    """(invoices, outbox rows), read on a connection of its own."""
-    with engine.connect() as conn:
-        invoices = conn.execute(select(func.count()).select_from(Invoice)).scalar_one()
-        messages = conn.execute(select(func.count()).select_from(m)).scalar_one()
-    return invoices, messages
 
 
 def outbox_statements(engine: Engine) -> list[str]:
@@ -147,11 +113,7 @@ def test_a_statement_run_after_the_write_sees_its_row(maker, engine):
 
 @pytest.fixture
 def refuse_bad(engine: Engine) -> None:
-    """A real constraint the outbox INSERT of ``{"number": "bad"}`` violates."""
-    with engine.begin() as conn:
-        conn.execute(
-            text("ALTER TABLE outbox_message ADD CONSTRAINT refuse_bad CHECK (payload->>'number' <> 'bad')")
-        )
+    add_refuse_bad(engine)
 
 
 def commit_refused_event(maker: sessionmaker[Session]) -> None:
@@ -540,17 +502,7 @@ def test_an_interrupted_commit_commits_nothing_and_gives_up_its_connection(maker
     import os
     import signal
 
-    blocker = engine.connect()
-    blocker.begin()
-    # Another transaction holds the same idempotency key, so our INSERT waits on its row lock.
-    blocker.execute(
-        text(
-            "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
-            " idempotency_key, max_attempts, created_at, updated_at, available_at)"
-            " VALUES (gen_random_uuid(), 'invoice.issued', 'mail', 'default', 0, '{}', '{}', 'K', 1,"
-            " now(), now(), now())"
-        )
-    )
+    blocker = take_row_lock(engine, "K")  # our INSERT of key K waits on this row lock
     s = maker()
     s.add(Invoice(number="x"))
     emit(s, "invoice.issued", {"number": 1}, key="K")
