@@ -216,8 +216,9 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
         commit (a savepoint's "commit" is a RELEASE), on an engine the session
         connects itself (not a Connection an outer transaction owns), with no
         before_commit listener after ours that could use the connection
-        meanwhile. The write is sent after the commit's flush has finished, so
-        no flush or lifecycle listener runs while its reply is pending.
+        meanwhile. The write goes out from after_flush only when the rest of
+        the flush runs no other listener, else after the flush, so no flush or
+        lifecycle listener runs while its reply is pending.
         """
         if not state.events[0].outbox.pipeline_writes:
             return False

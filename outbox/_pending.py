@@ -81,7 +81,8 @@ class SessionEvents:
     events: list[PendingEvent] = field(default_factory=list)
     #: True while ``before_commit`` writes and may pipeline: the last write before the COMMIT.
     committing: bool = False
-    #: The root transaction's ``before_commit`` has written; later emits must write at once.
+    #: A ``before_commit`` (of the transaction or a savepoint) has written; until that
+    #: transaction or savepoint ends, later emits must write at once.
     commit_written: bool = False
 
     def add(self, event: PendingEvent) -> None:

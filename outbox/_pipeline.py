@@ -12,9 +12,11 @@ error read by someone else's statement could be swallowed, after which the
 COMMIT would quietly turn into a ROLLBACK. So the caller (``_install``) only
 pipelines when nothing but SQLAlchemy itself can run between the INSERT and the
 COMMIT: the root transaction's commit, on a connection the session began and
-will commit itself, sent after the commit's flush, with no ``before_commit``
-listener after the Outbox's. Within that, every way SQLAlchemy can still touch
-the connection is hooked (``_pipeline_hooks``) and handled here:
+will commit itself, sent once no flush or lifecycle listener can run any more
+(from the Outbox's ``after_flush`` if it is the last to run, else after the
+flush), with no ``before_commit`` listener after the Outbox's. Within that,
+every way SQLAlchemy can still touch the connection is hooked
+(``_pipeline_hooks``) and handled here:
 
 - a statement first reads the pending reply; an error is raised there as
   SQLAlchemy's own exception, and raised again by the commit, which cannot
@@ -129,15 +131,7 @@ def _raise(connection: Connection, exc: psycopg.Error, statement: str, params: A
     invalidated = connection.dialect.is_disconnect(exc, raw, None)  # type: ignore[arg-type]
     if invalidated:
         connection.invalidate(exc)
-    raise DBAPIError.instance(
-        statement,
-        params,
-        exc,
-        psycopg.Error,
-        hide_parameters=connection.engine.hide_parameters,
-        connection_invalidated=invalidated,
-        dialect=connection.dialect,
-    ) from exc
+    raise _wrapped(connection, exc, statement, params, invalidated=invalidated) from exc
 
 
 def _rollback_quietly(raw: psycopg.Connection[Any]) -> None:
@@ -194,13 +188,21 @@ def before_statement(connection: Connection) -> None:
         raise
 
 
-def _wrapped(connection: Connection, exc: psycopg.Error, statement: str) -> StatementError:
+def _wrapped(
+    connection: Connection,
+    exc: psycopg.Error,
+    statement: str,
+    params: Any = None,
+    *,
+    invalidated: bool = False,
+) -> StatementError:
     return DBAPIError.instance(
         statement,
-        None,
+        params,
         exc,
         psycopg.Error,
         hide_parameters=connection.engine.hide_parameters,
+        connection_invalidated=invalidated,
         dialect=connection.dialect,
     )
 
