@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
-from outbox._migrations import include_object
+from outbox._migrations import VERSION_TABLE, include_object
 from outbox._tables import metadata
 
 
@@ -25,6 +25,8 @@ def _run(connection: Connection) -> None:
         target_metadata=metadata,
         include_object=_only_outbox,
         transaction_per_migration=False,
+        # Never the application's alembic_version: its history and ours must not collide.
+        version_table=VERSION_TABLE,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -35,6 +37,7 @@ if context.is_offline_mode():
         url=context.config.get_main_option("sqlalchemy.url"),
         target_metadata=metadata,
         literal_binds=True,
+        version_table=VERSION_TABLE,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -20,7 +20,7 @@ from ._exceptions import (
     UnroutedEvent,
 )
 from ._message import Handler, Message
-from ._migrations import downgrade, include_object, upgrade
+from ._migrations import VERSION_TABLE, downgrade, include_name, include_object, upgrade
 from ._mixin import OutboxMixin
 from ._outbox import Outbox
 from ._routes import Route
@@ -55,6 +55,8 @@ __all__ = [
     "downgrade",
     "emit",
     "enable_sqlite_savepoints",
+    "VERSION_TABLE",
+    "include_name",
     "include_object",
     "metadata",
     "outbox_attempt",

@@ -376,14 +376,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = make_url(url).render_as_string(hide_password=True)
     if args.command == "migrate":
         try:
-            upgrade(url, args.revision)
+            applied = upgrade(url, args.revision)
         except SQLAlchemyError as error:
             print(f"{PROG} migrate: cannot migrate {shown}: {_one_line(error)}", file=sys.stderr)
             return 1
         except Exception as error:  # alembic's CommandError and friends: one line, no traceback
             print(f"{PROG} migrate: {error}", file=sys.stderr)
             return 1
-        print(f"{PROG} migrate: {shown} is at {args.revision}")
+        if applied:
+            print(f"{PROG} migrate: applied {', '.join(applied)} to {shown}")
+        else:
+            print(f"{PROG} migrate: {shown} was already at {args.revision}; nothing to apply")
         return 0
     try:
         engine = create_engine(url)

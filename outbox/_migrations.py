@@ -11,15 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine, inspect, text
 from sqlalchemy.pool import NullPool
 
+from ._exceptions import ConfigurationError
 from ._tables import metadata
 
 __all__ = [
     "BRANCH",
     "OUTBOX_TABLES",
+    "VERSION_TABLE",
     "downgrade",
+    "include_name",
     "include_object",
     "script_location",
     "upgrade",
@@ -30,6 +33,12 @@ BRANCH = "outbox"
 #: Every table the ``outbox`` branch creates, including those of the integrations
 #: (which ``outbox`` must not import, hence the names).
 OUTBOX_TABLES = frozenset(metadata.tables) | {"outbox_report_run", "outbox_report_chunk", "outbox_email_sent"}
+#: Where ``outbox migrate`` records the branch's revision. An application's own
+#: ``alembic_version`` is never read or written by it (except once, to adopt a
+#: database migrated before this table existed): the two histories cannot collide.
+VERSION_TABLE = "outbox_alembic_version"
+_LEGACY_VERSION_TABLE = "alembic_version"
+_HIDDEN = OUTBOX_TABLES | {VERSION_TABLE}
 
 
 def script_location() -> Path:
@@ -49,9 +58,20 @@ def include_object(obj: Any, name: str | None, type_: str, reflected: bool, comp
     branch owns them.
     """
     if type_ == "table":
-        return name not in OUTBOX_TABLES
+        return name not in _HIDDEN
     table = getattr(obj, "table", None)
-    return getattr(table, "name", None) not in OUTBOX_TABLES
+    return getattr(table, "name", None) not in _HIDDEN
+
+
+def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+    """An ``include_name`` hook: autogenerate does not even reflect the outbox's tables.
+
+    Cheaper than :func:`include_object` on large schemas, and it also hides
+    ``outbox_alembic_version``, the version table of ``outbox migrate``.
+    """
+    if type_ == "table":
+        return name not in _HIDDEN
+    return True
 
 
 def _config(connection: Connection) -> Any:
@@ -63,24 +83,74 @@ def _config(connection: Connection) -> Any:
     return config
 
 
-def _run(target: str | Engine | Connection, action: Any) -> None:
-    if isinstance(target, Connection):
-        action(_config(target))
+def _revisions(connection: Connection) -> set[str]:
+    """Revisions of the ``outbox`` branch recorded in ``outbox_alembic_version`` (none: not migrated)."""
+    if not inspect(connection).has_table(VERSION_TABLE):
+        return set()
+    return {r for (r,) in connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}"))}
+
+
+def _adopt_legacy_version(connection: Connection) -> None:
+    """Move the revision an earlier ``outbox migrate`` wrote into ``alembic_version`` to our own table.
+
+    Adopted only when ``alembic_version`` holds nothing but outbox revisions
+    (then ``outbox migrate`` created it, and it is dropped). If it also holds an
+    application's revisions, the outbox tables are a branch of that
+    application's Alembic environment, and that environment keeps them.
+    """
+    found = inspect(connection)
+    if found.has_table(VERSION_TABLE) or not found.has_table(_LEGACY_VERSION_TABLE):
         return
+    recorded = [r for (r,) in connection.execute(text(f"SELECT version_num FROM {_LEGACY_VERSION_TABLE}"))]
+    ours = [r for r in recorded if r.startswith(f"{BRANCH}_")]
+    if not ours:
+        return
+    if len(ours) != len(recorded):
+        raise ConfigurationError(
+            "the outbox tables here are a branch of your application's Alembic environment "
+            f"(revision {', '.join(sorted(ours))} in alembic_version): migrate them with "
+            "`alembic upgrade heads`, not `outbox migrate` (see docs/migrations.md)"
+        )
+    connection.execute(
+        text(
+            f"CREATE TABLE {VERSION_TABLE} (version_num VARCHAR(32) NOT NULL, "
+            f"CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"
+        )
+    )
+    for revision in ours:
+        connection.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:r)"), {"r": revision})
+    connection.execute(text(f"DROP TABLE {_LEGACY_VERSION_TABLE}"))
+
+
+def _run(target: str | Engine | Connection, action: Any) -> tuple[set[str], set[str]]:
+    """Run an Alembic command on the branch; returns the revisions recorded before and after."""
+
+    def on(connection: Connection) -> tuple[set[str], set[str]]:
+        _adopt_legacy_version(connection)
+        before = _revisions(connection)
+        action(_config(connection))
+        return before, _revisions(connection)
+
+    if isinstance(target, Connection):
+        return on(target)
     engine = create_engine(target, poolclass=NullPool) if isinstance(target, str) else target
     try:
         with engine.begin() as connection:
-            action(_config(connection))
+            return on(connection)
     finally:
         if isinstance(target, str):
             engine.dispose()
 
 
-def upgrade(target: str | Engine | Connection, revision: str = f"{BRANCH}@head") -> None:
-    """Create or upgrade the outbox tables (a database URL, an Engine or a Connection)."""
+def upgrade(target: str | Engine | Connection, revision: str = f"{BRANCH}@head") -> list[str]:
+    """Create or upgrade the outbox tables (a database URL, an Engine or a Connection).
+
+    Returns the revisions applied, oldest first (empty when already there).
+    """
     from alembic import command
 
-    _run(target, lambda config: command.upgrade(config, revision))
+    before, after = _run(target, lambda config: command.upgrade(config, revision))
+    return _between(before, after)
 
 
 def downgrade(target: str | Engine | Connection, revision: str = f"{BRANCH}@base") -> None:
@@ -88,3 +158,20 @@ def downgrade(target: str | Engine | Connection, revision: str = f"{BRANCH}@base
     from alembic import command
 
     _run(target, lambda config: command.downgrade(config, revision))
+
+
+def _between(before: set[str], after: set[str]) -> list[str]:
+    """The branch's revisions after ``before`` up to and including ``after`` (it is linear)."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", str(script_location()))
+    scripts = ScriptDirectory.from_config(config)
+    walked: list[str] = []
+    for head in after:
+        for script in scripts.iterate_revisions(head, "base"):
+            if script.revision in before:
+                break
+            walked.append(script.revision)
+    return walked[::-1]

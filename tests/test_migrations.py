@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,28 +28,11 @@ OUTBOX_TABLES = {
 }
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A database with nothing in it."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'empty.db'}"
-        return
-    base = request.getfixturevalue("pg_base_url")
-    name = f"outbox_empty_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
-
-
 def database_objects(url: str) -> tuple[set[str], set[str]]:
     """Tables, and triggers plus functions, that exist in the database."""
     engine = create_engine(url)
     try:
-        tables = set(inspect(engine).get_table_names()) - {"alembic_version"}
+        tables = set(inspect(engine).get_table_names()) - {"alembic_version", outbox.VERSION_TABLE}
         with engine.connect() as conn:
             if engine.dialect.name == "sqlite":
                 rows = conn.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'"))
@@ -89,7 +71,12 @@ def test_migrated_schema_matches_the_table_definitions(database_url):
     try:
         with engine.connect() as conn:
             context = MigrationContext.configure(
-                conn, opts={"compare_type": True, "compare_server_default": False}
+                conn,
+                opts={
+                    "compare_type": True,
+                    "compare_server_default": False,
+                    "version_table": outbox.VERSION_TABLE,
+                },
             )
             diff = compare_metadata(context, combined)
     finally:
