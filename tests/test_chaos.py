@@ -72,7 +72,7 @@ FAULT_SECONDS = float(os.environ.get("OUTBOX_CHAOS_SECONDS") or 35)
 #: 5,000 for the default run; a longer run keeps the same emit rate.
 MESSAGES = int(5000 * max(1.0, FAULT_SECONDS / 35))
 PRELOAD = MESSAGES // 5  # committed before any relay starts
-EMIT_BATCH = 100
+EMIT_BATCH = 25
 FAIL_EVERY = 20  # every 20th message fails its first attempt
 RELAYS = 3
 MAX_RESTARTS = max(3, int(FAULT_SECONDS / 12))
@@ -146,7 +146,7 @@ class Fleet:
             env={
                 "CHAOS_DELIVERY_LOG": str(self.delivery_log),
                 "CHAOS_RELAY_ID": relay_id,
-                "CHAOS_SLEEP_MS": "100",
+                "CHAOS_SLEEP_MS": "200",
             },
         )
         relay = Relay(relay_id, app_name, proc)
@@ -283,19 +283,23 @@ class Driver:
         self.injected[kind] += 1
         getattr(self, f"_{kind}")()
 
-    def _running_under(self, relay_id: str) -> int:
-        def count() -> int:
+    def _running_by_relay(self) -> dict[str, int]:
+        def count() -> dict[str, int]:
             with self.admin.connect() as conn:
                 query = text(
-                    "SELECT count(*) FROM outbox_message WHERE status = 'running' AND locked_by = :r"
+                    "SELECT locked_by, count(*) FROM outbox_message"
+                    " WHERE status = 'running' GROUP BY locked_by"
                 )
-                return int(conn.execute(query, {"r": relay_id}).scalar_one())
+                return {relay_id: n for relay_id, n in conn.execute(query)}
 
-        return _retrying("counting a relay's claims", count)
+        return _retrying("counting the relays' claims", count)
 
     def _kill(self) -> None:
-        victim = self.rng.choice(self.fleet.running)
-        held = self._running_under(victim.relay_id)
+        held_by = self._running_by_relay()
+        # Evidence first: a relay holding claims, when there is one, so the kill interrupts work.
+        busy = [r for r in self.fleet.running if held_by.get(r.relay_id)]
+        victim = self.rng.choice(busy or self.fleet.running)
+        held = held_by.get(victim.relay_id, 0)
         self.fleet.kill(victim)
         same = self.rng.random() < 0.5
         if same:
@@ -311,7 +315,8 @@ class Driver:
         self.note(f"SIGKILL {victim.app_name} ({victim.relay_id}, {held} running); started {relay_id}")
 
     def _terminate(self) -> None:
-        victim = self.rng.choice(self.fleet.running)
+        up = [r for r in self.fleet.running if r.started()]  # one still starting has nothing to lose
+        victim = self.rng.choice(up or self.fleet.running)
 
         def terminate() -> int:
             with self.admin.connect() as conn:
@@ -543,6 +548,11 @@ def test_chaos_three_relays_lose_nothing(tmp_path: Path) -> None:
                 break
             time.sleep(0.2)
         quiet_phase = time.monotonic() - quiet_began
+        # A replacement still importing would die of SIGTERM before its handlers exist: wait for it.
+        wait_started = time.monotonic() + 30
+        while not all(r.started() for r in fleet.running) and time.monotonic() < wait_started:
+            fleet.supervise()
+            time.sleep(0.1)
         exit_codes = fleet.stop_all()
 
         with admin.connect() as conn:
