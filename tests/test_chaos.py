@@ -10,8 +10,11 @@ fault:
 - ``terminate``: ``pg_terminate_backend`` every connection of one relay (each
   relay connects with an ``application_name`` of its own, so they can be told
   apart in ``pg_stat_activity``);
-- ``restart``: stop the server (``fast`` or ``immediate``) and start it again,
-  at most a few times per run.
+- ``restart``: stop the server and start it again, at most a few times per run;
+  the stop is ``fast`` (clean) or ``immediate`` (a crash: the server recovers
+  from its WAL, and keeps every commit a client saw succeed, since the test
+  turns ``synchronous_commit`` back on; a connection that turns it off for
+  itself gives that guarantee up).
 
 Messages are emitted in several commits, some before the relays start and the
 rest during the chaos (with idempotency keys, so a commit retried across a
@@ -133,6 +136,7 @@ class Fleet:
     running: list[Relay] = field(default_factory=list)
     every: list[Relay] = field(default_factory=list)
     unexpected_exits: list[str] = field(default_factory=list)
+    exits_while_starting: int = 0  # e.g. the server went down under its start-up check: replaced
     serial: int = 0
 
     def spawn(self, relay_id: str) -> Relay:
@@ -162,6 +166,8 @@ class Fleet:
             self.running.remove(relay)
             if relay.started():
                 self.unexpected_exits.append(relay.proc.tail(10))
+            else:
+                self.exits_while_starting += 1
             self.spawn(relay.relay_id)
 
     def kill(self, relay: Relay) -> None:
@@ -203,6 +209,7 @@ class Emitter:
         self.emitted = 0
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def emit_range(self, start: int, stop: int) -> None:
         def commit() -> None:
@@ -225,7 +232,8 @@ class Emitter:
             try:
                 for i, first in enumerate(batches):
                     due = began + seconds * i / max(1, len(batches))
-                    time.sleep(max(0.0, due - time.monotonic()))
+                    if self._stop.wait(max(0.0, due - time.monotonic())):
+                        return
                     self.emit_range(first, min(first + EMIT_BATCH, stop))
             except BaseException as exc:
                 self.error = exc
@@ -242,6 +250,9 @@ class Emitter:
             raise AssertionError(f"the emitter failed: {self.error!r}") from self.error
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
         chaos_app.ob.uninstall(self.factory)
         self.engine.dispose()
 
@@ -604,7 +615,8 @@ def test_chaos_three_relays_lose_nothing(tmp_path: Path) -> None:
                 f"{driver.same_id_restarts} replacements reused the killed relay's id, "
                 f"{driver.connections_terminated} connections terminated, "
                 f"restarts {dict(driver.restart_modes)}",
-                f"  relays started {len(fleet.every)}; deliveries {counts['deliveries']}, duplicates "
+                f"  relays started {len(fleet.every)} ({fleet.exits_while_starting} exited while starting "
+                f"and were replaced); deliveries {counts['deliveries']}, duplicates "
                 f"{counts['duplicates']} ({100 * counts['duplicates'] / max(1, MESSAGES):.2f}% of messages; "
                 f"{counts['messages delivered more than once']} messages more than once)",
                 f"  history rows {counts['history rows']}: {counts['outcomes']}",
