@@ -80,13 +80,11 @@ def _loop(scratch: Scratch, purpose: str, *, count: int, batch_size: int) -> flo
     prefill(url, "noop", count)
     route = ob.get_route("noop")
     claim = {"relay": RELAY_ID, "queue": route.queue, "handlers": ["noop"], "limit": batch_size}
-    # Two connections, as the relay has: claims skip the WAL flush wait (a lost claim is only
-    # claimed again), outcomes and history are durable.
+    # Two connections, as the relay has; claims and outcomes are both durable, as the relay's are.
     with (
         psycopg.connect(conninfo(url), autocommit=True) as claimer,
         psycopg.connect(conninfo(url), autocommit=True) as conn,
     ):
-        claimer.execute("SET synchronous_commit = off")
         began = time.perf_counter()
         while True:
             rows = claimer.execute(CLAIM, claim).fetchall()

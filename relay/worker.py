@@ -216,12 +216,10 @@ class Relay:
         self._known_queues: set[str] = {r.queue for r in self.outbox.routes}
         self._next_discovery = 0.0
         self._db_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="outbox-db")
-        # Claims skip the WAL flush wait: a claim lost to a server crash only leaves its
-        # messages pending, to be claimed again (at-least-once holds); outcomes and history
-        # are written with the server's own durability setting.
-        self._claimer = (
-            LoopConnection(self.engine, settings="SET synchronous_commit = off") if self.store.fast else None
-        )
+        # Claims are as durable as outcomes: a claim a server crash forgot would have its
+        # attempt number used again, and a delivery its handler already made would leave no
+        # trace (no lease ever expires for it), so the duplicate could not be explained.
+        self._claimer = LoopConnection(self.engine) if self.store.fast else None
         self._recorder = LoopConnection(self.engine, "outbox-relay write") if self.store.fast else None
         self._handler_pool = DaemonPool(self.concurrency + 2)
         self._result = DrainResult()
