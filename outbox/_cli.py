@@ -66,6 +66,16 @@ def _age(value: str) -> timedelta:
     return age
 
 
+def _history_age(value: str) -> timedelta:
+    """An age for history: at least ops.MIN_HISTORY_AGE, since younger history is never purged."""
+    age = _age(value)
+    if age < ops.MIN_HISTORY_AGE:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is too young: history is kept at least {ops.MIN_HISTORY_AGE.days}d (e.g. 90d)"
+        )
+    return age
+
+
 def _login_name() -> str:
     """Who runs the command, for the audit trail; never fails."""
     try:
@@ -92,6 +102,13 @@ def _count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value!r}")
+    return number
+
+
+def _batch_size(value: str) -> int:
+    number = _count(value)
+    if number > ops.MAX_PURGE_BATCH:
+        raise argparse.ArgumentTypeError(f"at most {ops.MAX_PURGE_BATCH}, got {value!r}")
     return number
 
 
@@ -176,8 +193,13 @@ def _parser() -> argparse.ArgumentParser:
     purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
     _add_database(purge)
     purge.add_argument("--delivered-older-than", type=_age, required=True, metavar="AGE", help="e.g. 30d")
-    purge.add_argument("--history-older-than", type=_age, metavar="AGE", help="e.g. 90d")
-    purge.add_argument("--batch-size", type=_count, default=1000)
+    purge.add_argument("--history-older-than", type=_history_age, metavar="AGE", help="e.g. 90d; at least 1d")
+    purge.add_argument(
+        "--include-unresolved-history",
+        action="store_true",
+        help="also purge the history of pending, running and dead messages (kept by default)",
+    )
+    purge.add_argument("--batch-size", type=_batch_size, default=1000, help="1 to 10000 (default: 1000)")
     purge.add_argument(
         "--actor", default=None, help="who, recorded in outbox_retention_run (default: the login name)"
     )
@@ -346,6 +368,7 @@ def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
         history_older_than=args.history_older_than,
         batch_size=args.batch_size,
         actor=args.actor or _login_name(),
+        history_of_unresolved=args.include_unresolved_history,
     )
     if args.json:
         _print_json({"messages": result.messages, "attempts": result.attempts, "batches": result.batches})

@@ -7,6 +7,9 @@ allowed. UPDATE stays refused: history is never rewritten, only expired.
 On PostgreSQL the permission names the purge's ``outbox_retention_run`` row:
 the trigger lets a DELETE through only while that row is unfinished, and only
 for history older than the cutoff it records, so no deletion goes unrecorded.
+Since migration ``outbox_0007`` it also must come from the tables' owner:
+``outbox purge`` goes through the purge functions, which run as the owner and
+set the permission themselves, so ``ops.purge`` uses this on SQLite only.
 """
 
 from __future__ import annotations

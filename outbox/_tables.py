@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 from sqlalchemy import (
+    Boolean,
     CheckConstraint,
     Column,
     ForeignKey,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     Uuid,
+    false,
     literal_column,
     text,
 )
@@ -163,7 +165,9 @@ outbox_attempt = Table(
 )
 
 #: Every purge records itself here: who ran it, with which cutoffs, what it deleted.
-#: History rows are the evidence; this is the evidence of their expiry.
+#: History rows are the evidence; this is the evidence of their expiry. On PostgreSQL
+#: only the purge functions write it (migration outbox_0007): ``db_user`` is the login
+#: that really ran the purge, ``actor`` the label it gave.
 outbox_retention_run = Table(
     "outbox_retention_run",
     metadata,
@@ -175,5 +179,8 @@ outbox_retention_run = Table(
     Column("history_before", UTCDateTime),
     Column("messages_deleted", Integer, nullable=False, server_default=literal_column("0")),
     Column("attempts_deleted", Integer, nullable=False, server_default=literal_column("0")),
+    Column("db_user", String(255)),
+    # True when the run also deleted the history of unresolved (pending, running, dead) messages.
+    Column("history_of_unresolved", Boolean, nullable=False, server_default=false()),
     sqlite_autoincrement=True,
 )

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import test_ops_cli
+from aging import age_history
 from sqlalchemy import func, select, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
@@ -133,6 +134,7 @@ class Stop(Exception):
 
 def test_an_interrupted_purge_leaves_counts_that_say_what_it_deleted(engine):
     deliver_many(engine, 10)
+    age_history(engine)
     seen: list[tuple[int, int, int, int]] = []
 
     def after_batch(progress: ops.PurgeResult) -> None:
@@ -150,7 +152,7 @@ def test_an_interrupted_purge_leaves_counts_that_say_what_it_deleted(engine):
         ops.purge(
             engine,
             delivered_older_than=timedelta(0),
-            history_older_than=timedelta(0),
+            history_older_than=timedelta(days=1),
             batch_size=4,
             actor="cron",
             on_batch=after_batch,
@@ -160,7 +162,7 @@ def test_an_interrupted_purge_leaves_counts_that_say_what_it_deleted(engine):
     assert (row.actor, row.messages_deleted, row.attempts_deleted, row.finished_at) == ("cron", 10, 4, None)
 
     # The next run finishes the job and records only its own share.
-    result = ops.purge(engine, delivered_older_than=timedelta(0), history_older_than=timedelta(0))
+    result = ops.purge(engine, delivered_older_than=timedelta(0), history_older_than=timedelta(days=1))
     assert (result.messages, result.attempts, result.batches) == (0, 6, 1)
     last = retention_rows(engine)[-1]
     assert (last.id, last.actor, last.messages_deleted, last.attempts_deleted) == (
@@ -273,30 +275,29 @@ def test_the_requeued_from_index_serves_purges_anti_join_and_the_foreign_key_che
             )
         )
 
-    # The statement purge really runs to pick a batch, captured from a real purge of one batch.
-    captured: list[tuple[str, Any]] = []
-
-    def capture(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
-        if statement.lstrip().startswith("SELECT outbox_message.id") and "EXISTS" in statement:
-            captured.append((statement, parameters))
-
-    def stop(progress: ops.PurgeResult) -> None:
-        raise Stop
-
-    from sqlalchemy import event
-
-    event.listen(pg_engine, "before_cursor_execute", capture)
-    try:
-        with pytest.raises(Stop):
-            ops.purge(pg_engine, delivered_older_than=timedelta(days=30), batch_size=1000, on_batch=stop)
-    finally:
-        event.remove(pg_engine, "before_cursor_execute", capture)
-    ((statement, parameters),) = captured
+    # The statements purge really runs, planned inside outbox_purge_step as PostgreSQL plans them
+    # there: auto_explain reports nested statements' plans to the client.
+    plans: list[str] = []
     with pg_engine.connect() as conn:
-        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + statement, parameters).scalars())
-        assert "ix_outbox_message_requeued_from" in plan, plan
-        assert not re.search(r"Seq Scan on outbox_message (copy|requeued_copy)", plan), plan
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        raw.add_notice_handler(lambda notice: plans.append(notice.message_primary or ""))
+        for setting in (
+            "LOAD 'auto_explain'",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_nested_statements = on",
+            "SET client_min_messages = log",
+        ):
+            conn.execute(text(setting))
+        run_id = conn.execute(text("SELECT outbox_purge_start('t', interval '30 days')")).scalar_one()
+        step = conn.execute(text("SELECT * FROM outbox_purge_step(:r, 1000)"), {"r": run_id}).one()
+        assert tuple(step) == (1000, 0)
+        conn.rollback()
+    (plan,) = [p for p in plans if "Delete on outbox_message" in p]
+    assert "ix_outbox_message_requeued_from" in plan, plan
+    assert not re.search(r"Seq Scan on outbox_message c\b", plan), plan
 
+    with pg_engine.connect() as conn:
         # The check PostgreSQL runs for the foreign key on every deleted row (ri_triggers.c's query),
         # planned generically, as the trigger's cached plan is.
         conn.execute(text("SET plan_cache_mode = force_generic_plan"))

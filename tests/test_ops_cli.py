@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from aging import age_history
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
@@ -562,24 +563,31 @@ def test_purge_deletes_finished_messages_then_history_and_nothing_else(seeded):
         )
 
     # Once the copy is delivered it goes, and then its original may too (copy first: the foreign key).
+    # The history of the dead orders stays: nobody has decided about them yet.
     seeded.deliver("reports")
+    age_history(engine)
+    dead = [seeded.id("order:7"), seeded.id("order:8")]
     with engine.connect() as conn:
         attempts_before = conn.execute(select(func.count()).select_from(a)).scalar_one()
+        of_dead = select(a.c.id).where(a.c.message_id.in_(dead)).order_by(a.c.id)
+        undecided = conn.execute(of_dead).scalars().all()
+    assert len(undecided) == 4  # a failure and a death each
     out = ok(
-        run("purge", "--delivered-older-than", "0s", "--history-older-than", "0s", database_url=seeded.url)
+        run("purge", "--delivered-older-than", "0s", "--history-older-than", "1d", database_url=seeded.url)
     )
-    assert out.strip() == f"purged 2 message(s) and {attempts_before} history row(s)"
+    purged = attempts_before - len(undecided)
+    assert out.strip() == f"purged 2 message(s) and {purged} history row(s)"
     assert statuses(engine) == {"order:7": "dead", "order:8": "dead", "report:2026-09": "running"}
     assert copy not in ids_where(engine)
     with engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(a)).scalar_one() == 0
+        assert conn.execute(select(a.c.id).order_by(a.c.id)).scalars().all() == undecided
         runs = conn.execute(select(outbox.outbox_retention_run).order_by(outbox.outbox_retention_run.c.id))
-        assert [(r.messages_deleted, r.attempts_deleted) for r in runs] == [(3, 0), (2, attempts_before)]
+        assert [(r.messages_deleted, r.attempts_deleted) for r in runs] == [(3, 0), (2, purged)]
 
     # Outside purge, history is as append-only as before it.
     ops.discard(engine, ops.MessageFilter(ids=(seeded.id("order:8"),)), reason="after the purge", actor="t")
     with engine.connect() as conn:
-        kept = conn.execute(select(a)).one()
+        kept = conn.execute(select(a).order_by(a.c.id)).all()
     statements = ["UPDATE outbox_attempt SET reason = 'rewritten'", "DELETE FROM outbox_attempt"]
     if engine.dialect.name == "postgresql":
         statements.append("TRUNCATE outbox_attempt")
@@ -588,7 +596,7 @@ def test_purge_deletes_finished_messages_then_history_and_nothing_else(seeded):
         with pytest.raises(DBAPIError, match="append-only|outbox_purge_in_progress"), engine.begin() as conn:
             conn.execute(text(statement))
     with engine.connect() as conn:
-        assert conn.execute(select(a)).all() == [kept]
+        assert conn.execute(select(a).order_by(a.c.id)).all() == kept
 
 
 # -- bad input ------------------------------------------------------------------------------------
