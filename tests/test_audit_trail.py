@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_migrations
 import test_roles
 from aging import age_history
 from sqlalchemy import create_engine, func, insert, select, text, update
@@ -34,8 +33,6 @@ m, a, runs = outbox.outbox_message, outbox.outbox_attempt, outbox.outbox_retenti
 
 #: The guide's application, relay and operator roles, created from its GRANT block.
 roles = test_roles.roles
-#: A database with nothing in it, on SQLite and PostgreSQL.
-empty_url = test_migrations.empty_url
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 APPEND_ONLY = "outbox_attempt is append-only"
