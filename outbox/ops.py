@@ -34,6 +34,7 @@ __all__ = [
     "purge",
     "requeue",
     "requeue_candidates",
+    "requeued_key",
     "show",
     "stats",
 ]
@@ -43,6 +44,8 @@ a = outbox_attempt
 
 REQUEUABLE = ("dead", "discarded")
 DISCARDABLE = ("pending", "dead")
+#: The idempotency_key column's width.
+KEY_LIMIT = 255
 
 
 class OpsError(OutboxError):
@@ -342,13 +345,29 @@ def _record_action(
     )
 
 
+def requeued_key(key: str | None, old_id: int) -> str | None:
+    """The idempotency key of the requeued copy of message ``old_id`` whose key is ``key``.
+
+    ``<key>~requeue:<old id>``; when that would not fit the column, ``key`` is
+    shortened from its end, never the suffix. The suffix names the message
+    copied, and a message is copied at most once, so the copy's key is unique
+    for its route (it never equals the original's), and a copy of a copy gets
+    its own suffix in turn.
+    """
+    if key is None:
+        return None
+    suffix = f"~requeue:{old_id}"
+    return key[: KEY_LIMIT - len(suffix)] + suffix
+
+
 def requeue(engine: Engine, where: MessageFilter, *, reason: str, actor: str) -> list[tuple[int, int]]:
     """Give dead (or discarded) messages a fresh start as new messages; returns (old id, new id) pairs.
 
     The old row is not touched: a ``requeued`` history row on it names the
     actor, the reason and the new id. The copy keeps the event id, payload,
     route, group and aggregate; its idempotency key gains a ``~requeue:<old id>``
-    suffix, because (route, key) is unique and the old row still holds the key.
+    suffix (see :func:`requeued_key`), because (route, key) is unique and the
+    old row still holds the key.
 
     A message is requeued at most once, because the old row stays dead and a
     second copy would deliver the event twice: named ids that already have a
@@ -366,7 +385,7 @@ def requeue(engine: Engine, where: MessageFilter, *, reason: str, actor: str) ->
         for old in targets:
             if old.id in copied:
                 continue
-            key = f"{old.idempotency_key}~requeue:{old.id}"[:255] if old.idempotency_key else None
+            key = requeued_key(old.idempotency_key, old.id)
             new_id = conn.execute(
                 insert(m)
                 .values(

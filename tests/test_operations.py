@@ -8,6 +8,7 @@ databases, with the helpers (and the seeded messages in every status) of test_op
 from __future__ import annotations
 
 import getpass
+import itertools
 import os
 import pty
 import re
@@ -486,3 +487,51 @@ def test_every_query_in_the_guide_runs(seeded):
     assert dead and all(rows == [(1,)] for rows in dead), dead  # order:8; order:7 has a copy
     (retention,) = [rows for statement, rows in results.items() if "FROM outbox_retention_run" in statement]
     assert [r.actor for r in retention] == ["guide"]
+
+
+# -- requeue: keys of any valid length, copies of copies ------------------------------------------
+
+
+def refused_forever(engine: Engine) -> tuple[Outbox, sessionmaker[Any]]:
+    """An outbox whose only route fails permanently: every message, and every copy, ends dead."""
+    ob = Outbox(default_backoff=FAST)
+    maker = sessionmaker(engine)
+    ob.install(maker)
+
+    @ob.handler("order.paid", name="invoice", queue="billing")
+    def invoice(msg: outbox.Message) -> None:
+        raise outbox.PermanentError("billing refuses every order")
+
+    return ob, maker
+
+
+@pytest.mark.parametrize("length", [255, 254, 246, 200])
+def test_requeue_works_for_any_key_length_and_for_copies_of_copies(engine, length):
+    ob, maker = refused_forever(engine)
+    key = "k" * (length - 4) + "ключ"  # not only ASCII: the limit counts characters
+    try:
+        with maker.begin() as s:
+            emit(s, "order.paid", {"order_id": 1}, key=key)
+        Relay(ob, engine).run_until_idle()
+        with engine.connect() as conn:
+            original = conn.execute(select(m.c.id).where(m.c.status == "dead")).scalar_one()
+        url = engine.url.render_as_string(hide_password=False)
+        out = ok(run("requeue", str(original), "--reason", "billing fixed", database_url=url))
+        copy = int(re.findall(r"^requeued \d+ as (\d+)$", out, re.M)[0])
+        chain = [original, copy]
+        for _ in range(3):  # the copy dies too, and its copy, ...
+            Relay(ob, engine).run_until_idle()
+            again = ops.MessageFilter(ids=(chain[-1],))
+            ((_, newest),) = ops.requeue(engine, again, reason="again", actor="t")
+            chain.append(newest)
+        with engine.connect() as conn:
+            keys = dict(conn.execute(select(m.c.id, m.c.idempotency_key).where(m.c.id.in_(chain))).all())
+    finally:
+        ob.uninstall(maker)
+    assert keys[original] == key
+    assert len(set(keys.values())) == len(chain), "every copy has a key of its own"
+    for old, new in itertools.pairwise(chain):
+        assert keys[new] == ops.requeued_key(keys[old], old), "derivable from the copied row"
+        assert keys[new].endswith(f"~requeue:{old}") and len(keys[new]) <= 255
+    short = "order:7"
+    assert ops.requeued_key(short, 5) == "order:7~requeue:5", "short keys keep the whole key"
