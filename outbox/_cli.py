@@ -317,11 +317,7 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
     if not args.ids:
         if where.empty:
             raise _Failed(f"give message ids or a filter; {args.command} never acts on everything")
-        if args.command == "requeue":
-            count = len(ops.requeue_candidates(engine, where))
-        else:
-            rows = ops.list_messages(engine, where, limit=10**9)
-            count = sum(1 for r in rows if r.status in ops.DISCARDABLE)
+        count = ops.count_candidates(engine, where, args.command)
         if count == 0 and not args.yes:
             # Nothing to confirm; acting anyway could touch rows that matched since the count.
             if args.json:
