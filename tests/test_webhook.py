@@ -298,6 +298,37 @@ def test_verify_refuses_tampering_missing_headers_and_stale_or_future_timestamps
 
 
 @pytest.mark.parametrize(
+    "stamp",
+    ["²", "١٧٠٠٠٠٠٠٠٠", "9" * 400, "9" * 5000, "1" * 13, "-1", "17e8", ""],
+    ids=[
+        "superscript",
+        "arabic-indic",
+        "400-digits",
+        "5000-digits",
+        "13-digits",
+        "negative",
+        "float",
+        "empty",
+    ],
+)
+def test_any_bad_timestamp_is_a_verification_error_never_a_crash(stamp):
+    """A receiver maps WebhookVerificationError to 400; anything else would answer 500."""
+    body = b'{"n":1}'
+    headers = {"webhook-id": "msg_1", "webhook-timestamp": stamp, "webhook-signature": "v1,AAAA"}
+    with pytest.raises(WebhookVerificationError, match="webhook-timestamp|missing header"):
+        verify(body, headers, SECRET)
+
+
+def test_text_that_is_not_utf_8_is_a_verification_error_never_a_crash():
+    now = int(time.time())
+    good = {"webhook-id": "msg_1", "webhook-timestamp": str(now), "webhook-signature": "v1,AAAA"}
+    with pytest.raises(WebhookVerificationError, match="body is not valid UTF-8"):
+        verify('{"n":"\ud800"}', good, SECRET)
+    with pytest.raises(WebhookVerificationError, match="webhook-id is not valid UTF-8"):
+        verify("{}", {**good, "webhook-id": "msg_\udcff"}, SECRET)
+
+
+@pytest.mark.parametrize(
     ("secret", "complaint"),
     [
         ("k" * 40, "must start with 'whsec_'"),
