@@ -328,6 +328,38 @@ def test_text_that_is_not_utf_8_is_a_verification_error_never_a_crash():
         verify("{}", {**good, "webhook-id": "msg_\udcff"}, SECRET)
 
 
+@pytest.fixture
+def other_receiver() -> Iterator[Receiver]:
+    """A second host, as a payload URL might name (still 127.0.0.1, on another port)."""
+    yield from serve(Receiver())
+
+
+def test_configured_headers_reach_only_the_configured_origin_unless_opted_in(receiver, other_receiver):
+    token = {"Authorization": "Bearer partner-token-123"}
+    with pytest.raises(ConfigurationError, match="headers_to_payload_urls=True") as refused:
+        WebhookHandler(secret=SECRET, allowed_networks=LOCAL, headers=token)
+    assert "partner-token-123" not in str(refused.value), "header values never appear in errors"
+    with pytest.raises(ConfigurationError, match="only with url=None"):
+        WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, headers_to_payload_urls=True)
+
+    call(WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, headers=token), message({"n": 1}))
+    anywhere = WebhookHandler(secret=SECRET, allowed_networks=LOCAL)
+    call(anywhere, message({"url": other_receiver.url(), "n": 2}))
+    chosen = WebhookHandler(
+        secret=SECRET, allowed_networks=LOCAL, headers=token, headers_to_payload_urls=True
+    )
+    call(chosen, message({"url": other_receiver.url(), "n": 3}))
+
+    (fixed,) = receiver.requests
+    assert fixed.headers["authorization"] == "Bearer partner-token-123"
+    unconfigured, opted_in = other_receiver.requests
+    assert "authorization" not in unconfigured.headers
+    verify(
+        unconfigured.body, unconfigured.headers, SECRET
+    )  # signed all the same: each host checks the secret
+    assert opted_in.headers["authorization"] == "Bearer partner-token-123"
+
+
 @pytest.mark.parametrize(
     ("secret", "complaint"),
     [
