@@ -30,6 +30,8 @@ __all__ = [
 
 SECRET_PREFIX = "whsec_"
 MIN_KEY_BYTES = 16  # the specification recommends 24 to 64 random bytes
+#: Twelve digits reach the year 33658; longer "timestamps" are refused before any arithmetic.
+_MAX_TIMESTAMP_DIGITS = 12
 
 
 class WebhookVerificationError(OutboxError):
@@ -124,7 +126,10 @@ def verify(
     later.
     """
     keys = parse_secrets(secret)
-    body = payload.encode() if isinstance(payload, str) else bytes(payload)
+    try:
+        body = payload.encode() if isinstance(payload, str) else bytes(payload)
+    except UnicodeEncodeError:  # a str body with a lone surrogate: no sender signed that
+        raise WebhookVerificationError("the body is not valid UTF-8 text") from None
     found = _lowered(headers)
     msg_id = found.get("webhook-id", "")
     stamp = found.get("webhook-timestamp", "").strip()
@@ -136,7 +141,8 @@ def verify(
     ]
     if missing:
         raise WebhookVerificationError(f"missing header(s): {', '.join(missing)}")
-    if not stamp.isdigit():
+    # ASCII digits only ("²".isdigit() is true), and few enough for int() and float arithmetic.
+    if not (stamp.isascii() and stamp.isdigit()) or len(stamp) > _MAX_TIMESTAMP_DIGITS:
         raise WebhookVerificationError(f"webhook-timestamp is not a Unix time in seconds: {stamp[:40]!r}")
     skew = time.time() - int(stamp)
     if skew > tolerance:
@@ -156,6 +162,10 @@ def verify(
             continue
     if not candidates:
         raise WebhookVerificationError("webhook-signature has no v1 signature")
+    try:
+        msg_id.encode()
+    except UnicodeEncodeError:
+        raise WebhookVerificationError("webhook-id is not valid UTF-8 text") from None
     for key in keys:
         expected = _signature(key, msg_id, stamp, body)
         if any(hmac.compare_digest(expected, candidate) for candidate in candidates):

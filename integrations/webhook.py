@@ -234,10 +234,13 @@ class WebhookHandler:
     adding the new secret, switching receivers, then dropping the old one).
     ``timeout`` bounds DNS plus the whole request. ``allowed_networks`` lists
     CIDRs the SSRF guard lets through (everything non-public is refused
-    otherwise). ``headers`` are sent with every request; values of sensitive
-    ones (``Authorization``, ``*token*``, ...) are masked in history like the
-    secrets. After ``breaker_threshold`` consecutive failures a host is paused
-    for ``breaker_cooldown`` seconds. ``rate_limit`` caps requests per second
+    otherwise). ``headers`` are sent with every request to the fixed ``url``;
+    values of sensitive ones (``Authorization``, ``*token*``, ...) are masked
+    in history like the secrets. With ``url=None`` the destination comes from
+    each payload, so ``headers`` are refused unless
+    ``headers_to_payload_urls=True`` says every such host may see them. After
+    ``breaker_threshold`` consecutive failures a host is paused for
+    ``breaker_cooldown`` seconds. ``rate_limit`` caps requests per second
     per host across every concurrent delivery of the relay. ``ssl_context``
     replaces the default certificate verification (certifi's CAs), e.g. to
     trust a private CA; certificates are always checked against the URL's
@@ -256,6 +259,7 @@ class WebhookHandler:
         breaker_cooldown: float = 30.0,
         rate_limit: float | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        headers_to_payload_urls: bool = False,
     ) -> None:
         if secret is None:
             raise ConfigurationError(
@@ -271,6 +275,20 @@ class WebhookHandler:
         self._limiters = None if rate_limit is None else RateLimiters(_number("rate_limit", rate_limit))
         self.rate_limit = None if self._limiters is None else self._limiters.rate
         self.ssl_context = ssl_context
+        if not isinstance(headers_to_payload_urls, bool):
+            raise ConfigurationError(
+                f"headers_to_payload_urls must be True or False, got {headers_to_payload_urls!r}"
+            )
+        if url is None and self.headers and not headers_to_payload_urls:
+            # Names only, never values: they may be credentials.
+            raise ConfigurationError(
+                f"headers {', '.join(sorted(self.headers))} would go to whatever host a message's "
+                "payload['url'] names (url=None); give the handler a fixed url, or pass "
+                "headers_to_payload_urls=True if every such host may see them"
+            )
+        if url is not None and headers_to_payload_urls:
+            raise ConfigurationError("headers_to_payload_urls=True applies only with url=None")
+        self.headers_to_payload_urls = headers_to_payload_urls
         self.url = url
         self._target: _Target | None = None
         if url is not None:

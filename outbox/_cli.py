@@ -1,7 +1,10 @@
 """The ``outbox`` command: migrations, audit and dead letters for the outbox tables.
 
 Exit codes: 0 success, 1 the operation failed (database unreachable, migration
-error, unknown id, refused action), 2 bad usage, 130 interrupted (Ctrl-C).
+error, unknown id, refused action, or the reader of stdout went away, as in
+``outbox stats | head -1``, which ends quietly), 2 bad usage (a flag's value is
+checked when parsed: ids and counts up to BIGINT, text valid UTF-8, times
+representable in UTC), 130 interrupted (Ctrl-C).
 User mistakes get one line on stderr, never a traceback. Every subcommand takes
 ``--database-url`` (or ``OUTBOX_DATABASE_URL``).
 
@@ -33,6 +36,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from . import ops
 from ._argparse import OneLineParser
 from ._migrations import BRANCH, upgrade
+from ._payload import text_problem
 
 __all__ = ["main"]
 
@@ -44,14 +48,33 @@ class _Failed(Exception):
     """An operation failed in a way the user should read as one line (exit 1)."""
 
 
+#: The largest id an outbox table can hold (BIGINT); larger numbers are refused before any query.
+MAX_ID = 2**63 - 1
+
+
+def _text(value: str) -> str:
+    """Text as given on the command line; bytes that are not UTF-8 are refused here, not by the driver."""
+    problem = text_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(
+            f"{_shown(value)} " + ("is not valid UTF-8 text" if "surrogate" in problem else problem)
+        )
+    return value
+
+
 def _timestamp(value: str) -> datetime:
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected an ISO date or time (2026-12-01T10:00), got {value!r}"
+            f"expected an ISO date or time (2026-12-01T10:00), got {_shown(value)}"
         ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    try:  # stored times are UTC: 0001-01-01T00:00+01:00 has no UTC equivalent
+        return parsed.astimezone(UTC)
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"{value!r} is out of range once converted to UTC") from None
 
 
 def _age(value: str) -> timedelta:
@@ -85,21 +108,37 @@ def _login_name() -> str:
         return f"uid:{getuid()}" if getuid is not None else "unknown"
 
 
-def _message_id(value: str) -> int:
+def _shown(value: str) -> str:
+    """A command-line value quoted for an error line: cut short, bytes that are not UTF-8 as ``\\xff``."""
+    try:  # argv bytes that are not UTF-8 arrive as lone surrogates: show the bytes themselves
+        raw = value[:40].encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = value[:40].encode("utf-8", "backslashreplace")
+    return f"'{raw.decode('utf-8', 'backslashreplace')}'" + ("..." if len(value) > 40 else "")
+
+
+def _whole(value: str, expected: str) -> int:
+    digits = value.strip().lstrip("+-")
+    if len(digits) > len(str(MAX_ID)):  # before int(): 5,000 digits would hit Python's own limit
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {_shown(value)}")
     try:
         number = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"message ids are integers, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"{expected}, got {_shown(value)}") from None
+    if number > MAX_ID:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {_shown(value)}")
+    return number
+
+
+def _message_id(value: str) -> int:
+    number = _whole(value, "message ids are integers")
     if number < 1:
         raise argparse.ArgumentTypeError(f"message ids are positive, got {value!r}")
     return number
 
 
 def _count(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    number = _whole(value, "expected a whole number")
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value!r}")
     return number
@@ -122,11 +161,11 @@ def _add_database(p: argparse.ArgumentParser) -> None:
 
 def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--status", choices=("pending", "running", "delivered", "dead", "discarded"))
-    p.add_argument("--handler", help="route name")
-    p.add_argument("--event-type")
-    p.add_argument("--queue")
-    p.add_argument("--key", help="idempotency key")
-    p.add_argument("--group-key")
+    p.add_argument("--handler", type=_text, help="route name")
+    p.add_argument("--event-type", type=_text)
+    p.add_argument("--queue", type=_text)
+    p.add_argument("--key", type=_text, help="idempotency key")
+    p.add_argument("--group-key", type=_text)
     p.add_argument("--since", type=_timestamp, help="created at or after (ISO time, UTC if no zone)")
     p.add_argument("--before", type=_timestamp, help="created before (ISO time, UTC if no zone)")
 
@@ -156,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_database(migrate)
     migrate.add_argument(
-        "--revision", default=f"{BRANCH}@head", help="target revision (default: %(default)s)"
+        "--revision", type=_text, default=f"{BRANCH}@head", help="target revision (default: %(default)s)"
     )
 
     stats = commands.add_parser("stats", help="counts by status and handler, oldest pending age, last hour")
@@ -185,8 +224,8 @@ def _parser() -> argparse.ArgumentParser:
         _add_database(sub)
         sub.add_argument("ids", nargs="*", type=_message_id, metavar="ID")
         _add_filters(sub)
-        sub.add_argument("--reason", required=True, help="why: recorded in the message's history")
-        sub.add_argument("--actor", default=None, help="who (default: the login name)")
+        sub.add_argument("--reason", type=_text, required=True, help="why: recorded in the message's history")
+        sub.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
         sub.add_argument("--yes", action="store_true", help="act on a filter without asking")
         sub.add_argument("--json", action="store_true")
 
@@ -201,7 +240,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     purge.add_argument("--batch-size", type=_batch_size, default=1000, help="1 to 10000 (default: 1000)")
     purge.add_argument(
-        "--actor", default=None, help="who, recorded in outbox_retention_run (default: the login name)"
+        "--actor",
+        type=_text,
+        default=None,
+        help="who, recorded in outbox_retention_run (default: the login name)",
     )
     purge.add_argument("--json", action="store_true")
     return parser
@@ -210,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
 def _database_url(parser: argparse.ArgumentParser, value: str | None) -> str:
     if not value:
         parser.error(f"--database-url is required (or set {ENV_DATABASE_URL})")
+    if text_problem(value):
+        parser.error("--database-url is not valid UTF-8 text")
     try:
         make_url(value)
     except ArgumentError:
@@ -339,11 +383,7 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
     if not args.ids:
         if where.empty:
             raise _Failed(f"give message ids or a filter; {args.command} never acts on everything")
-        if args.command == "requeue":
-            count = len(ops.requeue_candidates(engine, where))
-        else:
-            rows = ops.list_messages(engine, where, limit=10**9)
-            count = sum(1 for r in rows if r.status in ops.DISCARDABLE)
+        count = ops.count_candidates(engine, where, args.command)
         if count == 0 and not args.yes:
             # Nothing to confirm; acting anyway could touch rows that matched since the count.
             if args.json:
@@ -417,7 +457,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {args.command}: cannot use {shown}: {_one_line(error)}", file=sys.stderr)
         return 2
     try:
-        return _COMMANDS[args.command](engine, args)
+        code = _COMMANDS[args.command](engine, args)
+        sys.stdout.flush()  # here, so a closed pipe is handled below and not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`outbox stats | head -1`): stop quietly, as the Python docs
+        # recommend; stdout goes to devnull so the interpreter's final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (ops.OpsError, _Failed) as error:
         print(f"{PROG} {args.command}: {error}", file=sys.stderr)
         return 1

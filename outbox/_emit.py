@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from . import signals
-from ._exceptions import ConfigurationError, InvalidEmitOption, UnroutedEvent
+from ._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
 from ._install import outbox_for, write_late
 from ._payload import check_headers, serialise_payload, text_problem
 from ._pending import PendingEvent, events_of, innermost
 from ._routes import check_name, check_priority
+from ._write import AGGREGATE_LIMIT, aggregate_identity
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -73,6 +74,24 @@ def _check_queue(queue: Any) -> str | None:
         raise InvalidEmitOption(str(exc)) from None
 
 
+def _check_aggregate(aggregate: Any) -> str:
+    """The aggregate type to store; refuses an aggregate whose type or known id the columns cannot hold.
+
+    An id the database has not assigned yet is checked when the event is written.
+    """
+    aggregate_type = getattr(type(aggregate), "__outbox_aggregate_type__", None) or type(aggregate).__name__
+    if not isinstance(aggregate_type, str) or len(aggregate_type) > AGGREGATE_LIMIT:
+        raise EmitError(
+            f"__outbox_aggregate_type__ of {type(aggregate).__name__} must be a string of at most "
+            f"{AGGREGATE_LIMIT} characters, got {aggregate_type!r:.80}"
+        )
+    problem = text_problem(aggregate_type)
+    if problem:
+        raise EmitError(f"__outbox_aggregate_type__ of {type(aggregate).__name__} {problem}")
+    aggregate_identity(aggregate)  # raises EmitError now, while the transaction is intact
+    return aggregate_type
+
+
 def _sync(session: Session | AsyncSession) -> Session:
     # Duck-typed so applications without greenlet never import sqlalchemy.ext.asyncio.
     if isinstance(session, Session):
@@ -125,11 +144,7 @@ def emit(
     document = serialise_payload(payload, outbox.payload_limit)
 
     event_id = uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()
-    aggregate_type = None
-    if _aggregate is not None:
-        aggregate_type = (
-            getattr(type(_aggregate), "__outbox_aggregate_type__", None) or type(_aggregate).__name__
-        )
+    aggregate_type = None if _aggregate is None else _check_aggregate(_aggregate)
     rows = [
         {
             "event_id": event_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ def _find_unstorable(value: Any, parts: list[str]) -> str | None:
         if math.isfinite(value):
             return None
         return f"{_path(parts)} is {value!r}, which JSON cannot represent"
-    if isinstance(value, Mapping):
+    if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 return (
@@ -49,7 +50,9 @@ def _find_unstorable(value: Any, parts: list[str]) -> str | None:
         return None
     hint = ""
     type_name = type(value).__name__
-    if type_name in {"datetime", "date", "time"}:
+    if isinstance(value, Mapping):  # json.dumps writes dicts only: a mappingproxy, say, would fail there
+        hint = " (store dict(value))"
+    elif type_name in {"datetime", "date", "time"}:
         hint = " (store value.isoformat())"
     elif type_name in {"UUID", "Decimal"}:
         hint = " (store str(value))"
@@ -86,6 +89,33 @@ def _find_unencodable(value: Any, parts: list[str]) -> str | None:
     return None
 
 
+def _find_unwritable_int(value: Any, parts: list[str], digits: int) -> str | None:
+    """Say where an integer has more digits than Python will turn into text (sys.get_int_max_str_digits).
+
+    Only walked after json.dumps refused the payload, so ordinary payloads never pay for it.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if digits and abs(value) >= 10**digits:
+            return (
+                f"{_path(parts)} is an integer of more than {digits} digits, which cannot be "
+                "written as JSON text; store it as a string"
+            )
+        return None
+    if isinstance(value, dict):
+        items: Any = ((f"[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for part, item in items:
+        parts.append(part)
+        problem = _find_unwritable_int(item, parts, digits)
+        parts.pop()
+        if problem:
+            return problem
+    return None
+
+
 def text_problem(value: str) -> str | None:
     """Why a string cannot be stored in a text column (NUL, lone surrogate), or None."""
     if "\x00" in value:
@@ -103,18 +133,21 @@ def serialise_payload(payload: Any, limit: int) -> str:
     The returned document is what gets stored: a caller who changes the dict
     after emit() cannot slip an unchecked or oversized value past the checks.
     """
-    if not isinstance(payload, Mapping):
-        raise PayloadError(
-            f"payload must be a JSON object (a dict), got {type(payload).__name__}; "
-            "wrap it, e.g. {'value': ...}"
-        )
+    if not isinstance(payload, dict):
+        hint = "pass dict(payload)" if isinstance(payload, Mapping) else "wrap it, e.g. {'value': ...}"
+        raise PayloadError(f"payload must be a JSON object (a dict), got {type(payload).__name__}; {hint}")
     try:
         problem = _find_unstorable(payload, [])
     except RecursionError:
         raise PayloadError("payload is nested too deeply to serialise") from None
     if problem:
         raise PayloadError(problem)
-    document = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        document = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        # The walk above covers types and floats; what is left is an integer past Python's digit limit.
+        problem = _find_unwritable_int(payload, [], sys.get_int_max_str_digits())
+        raise PayloadError(problem or f"payload cannot be written as JSON: {exc}") from None
     try:
         encoded = document.encode("utf-8")
     except UnicodeEncodeError:

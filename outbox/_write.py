@@ -16,13 +16,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import Insert
 
-from ._exceptions import ConfigurationError, OutboxError
+from ._exceptions import ConfigurationError, EmitError, OutboxError
+from ._payload import text_problem
 from ._pending import PendingEvent
 from ._tables import outbox_message
 
 __all__ = ["aggregate_identity", "write_events"]
 
 _CONFLICT = ["handler", "idempotency_key"]
+#: Width of the aggregate_type and aggregate_id columns.
+AGGREGATE_LIMIT = 255
 
 
 def _postgresql_insert() -> Insert:
@@ -46,12 +49,29 @@ _SQLITE_INSERT = sqlite.insert(outbox_message).on_conflict_do_nothing(index_elem
 
 
 def aggregate_identity(instance: Any) -> str | None:
-    """The aggregate's primary key as text, or None while the database has not assigned it."""
+    """The aggregate's primary key as text, or None while the database has not assigned it.
+
+    Raises EmitError when the key cannot be stored in the ``aggregate_id``
+    column: longer than 255 characters as text, or text PostgreSQL refuses.
+    """
     state = inspect(instance)
     values = state.mapper.primary_key_from_instance(instance)
     if any(value is None for value in values):
         return None
-    return ":".join(str(value) for value in values)
+    what = f"the primary key of this {type(instance).__name__} (the event's aggregate_id)"
+    try:
+        identity = ":".join(str(value) for value in values)
+    except ValueError:  # an integer past Python's int-to-text digit limit
+        raise EmitError(f"{what} is too long to write as text") from None
+    if len(identity) > AGGREGATE_LIMIT:
+        raise EmitError(
+            f"{what} is {len(identity)} characters as text; the column holds {AGGREGATE_LIMIT}. "
+            "Emit with outbox.emit() and put the key in the payload instead"
+        )
+    problem = text_problem(identity)
+    if problem:
+        raise EmitError(f"{what} {problem}")
+    return identity
 
 
 def _rows(events: list[PendingEvent]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ points back at it), so the audit trail stays complete.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
@@ -44,12 +44,14 @@ __all__ = [
     "OpsError",
     "PurgeResult",
     "Stats",
+    "count_candidates",
     "discard",
     "list_messages",
     "parse_duration",
     "purge",
     "requeue",
     "requeue_candidates",
+    "requeued_key",
     "show",
     "stats",
 ]
@@ -60,6 +62,10 @@ run = outbox_retention_run
 
 REQUEUABLE = ("dead", "discarded")
 DISCARDABLE = ("pending", "dead")
+#: The idempotency_key column's width.
+KEY_LIMIT = 255
+#: Messages a filter-based requeue or discard reads, locks and changes per transaction.
+ACTION_BATCH = 500
 
 
 class OpsError(OutboxError):
@@ -296,26 +302,72 @@ def _check_reason(reason: str, actor: str) -> None:
         raise OpsError("an actor is required")
 
 
-def _select_targets(
-    conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str, *, lock: bool = True
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise OpsError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
+
+
+def _named(
+    conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str, columns: Sequence[Any]
 ) -> list[Row[Any]]:
-    if where.empty:
-        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
-    stmt = where.apply(select(m)).order_by(m.c.id)
-    if lock and conn.dialect.name == "postgresql":
+    """The rows of named ids, locked; every id must exist and have an allowed status, or none is acted on.
+
+    The statuses are checked without a lock, and only rows in an allowed status
+    are locked: a running message belongs to a relay, which must never wait for
+    an operator's refused command.
+    """
+    found: dict[int, str] = {r.id: r.status for r in conn.execute(where.apply(select(m.c.id, m.c.status)))}
+    missing = [i for i in where.ids if i not in found]
+    if missing:
+        raise NotFound(f"no message with id {', '.join(map(str, missing))}")
+    wrong = sorted((i, s) for i, s in found.items() if s not in allowed)
+    if wrong:
+        listed = ", ".join(f"{i} ({s})" for i, s in wrong)
+        raise OpsError(f"can only {verb} {' or '.join(allowed)} messages; not {listed}")
+    stmt = where.apply(select(*columns)).where(m.c.status.in_(allowed)).order_by(m.c.id)
+    if conn.dialect.name == "postgresql":
         stmt = stmt.with_for_update()
     rows = list(conn.execute(stmt))
-    if where.ids:
-        found = {r.id for r in rows}
-        missing = [i for i in where.ids if i not in found]
-        if missing:
-            raise NotFound(f"no message with id {', '.join(map(str, missing))}")
-        wrong = [r for r in rows if r.status not in allowed]
-        if wrong:
-            listed = ", ".join(f"{r.id} ({r.status})" for r in wrong)
-            raise OpsError(f"can only {verb} {' or '.join(allowed)} messages; not {listed}")
-        return rows
-    return [r for r in rows if r.status in allowed]
+    changed = sorted(set(found) - {r.id for r in rows})
+    if changed:  # a relay claimed it, or another operator acted, between the two reads
+        raise OpsError(f"message {', '.join(map(str, changed))} changed status meanwhile; try again")
+    return rows
+
+
+def _filtered_batches(
+    engine: Engine,
+    where: MessageFilter,
+    allowed: tuple[str, ...],
+    verb: str,
+    columns: Sequence[Any],
+    batch_size: int,
+    *extra: ColumnElement[bool],
+) -> Iterator[tuple[Connection, list[Row[Any]]]]:
+    """Rows a filter matches in an allowed status, ``batch_size`` at a time, a transaction each.
+
+    The status condition is part of the query, so rows in any other status
+    (running ones above all: they belong to a relay) are neither loaded nor
+    locked. Each batch is committed before the next is read, so no lock is held
+    for long and memory stays bounded however many rows match.
+    """
+    if where.empty:
+        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
+    after = 0
+    while True:
+        with engine.begin() as conn:
+            stmt = (
+                where.apply(select(*columns))
+                .where(m.c.status.in_(allowed), m.c.id > after, *extra)
+                .order_by(m.c.id)
+                .limit(batch_size)
+            )
+            if conn.dialect.name == "postgresql":
+                stmt = stmt.with_for_update()
+            rows = list(conn.execute(stmt))
+            if not rows:
+                return
+            yield conn, rows
+        after = rows[-1].id
 
 
 def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
@@ -332,12 +384,31 @@ def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
     }
 
 
+def _candidates(where: MessageFilter, verb: str) -> Select[Any]:
+    if where.empty:
+        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
+    if verb == "requeue":
+        return where.apply(select(m.c.id)).where(m.c.status.in_(REQUEUABLE), ~_has_copy())
+    if verb == "discard":
+        return where.apply(select(m.c.id)).where(m.c.status.in_(DISCARDABLE))
+    raise OpsError(f"unknown action {verb!r}; one of requeue, discard")
+
+
 def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
-    """The ids a filter-based :func:`requeue` would copy now (what a confirmation prompt counts)."""
+    """The ids a filter-based :func:`requeue` would copy now."""
     with engine.connect() as conn:
-        rows = _select_targets(conn, where, REQUEUABLE, "requeue", lock=False)
-        copied = _requeued_as(conn, [r.id for r in rows])
-    return [r.id for r in rows if r.id not in copied]
+        return list(conn.execute(_candidates(where, "requeue").order_by(m.c.id)).scalars())
+
+
+def count_candidates(engine: Engine, where: MessageFilter, verb: str) -> int:
+    """How many messages a filter-based ``requeue`` or ``discard`` (``verb``) would act on now.
+
+    What a confirmation prompt counts, without loading the rows.
+    """
+    with engine.connect() as conn:
+        return int(
+            conn.execute(select(func.count()).select_from(_candidates(where, verb).subquery())).scalar_one()
+        )
 
 
 def _record_action(
@@ -359,76 +430,124 @@ def _record_action(
     )
 
 
-def requeue(engine: Engine, where: MessageFilter, *, reason: str, actor: str) -> list[tuple[int, int]]:
+def requeued_key(key: str | None, old_id: int) -> str | None:
+    """The idempotency key of the requeued copy of message ``old_id`` whose key is ``key``.
+
+    ``<key>~requeue:<old id>``; when that would not fit the column, ``key`` is
+    shortened from its end, never the suffix. The suffix names the message
+    copied, and a message is copied at most once, so the copy's key is unique
+    for its route (it never equals the original's), and a copy of a copy gets
+    its own suffix in turn.
+    """
+    if key is None:
+        return None
+    suffix = f"~requeue:{old_id}"
+    return key[: KEY_LIMIT - len(suffix)] + suffix
+
+
+def _copy(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> int:
+    new_id: int = conn.execute(
+        insert(m)
+        .values(
+            event_id=old.event_id,
+            event_type=old.event_type,
+            handler=old.handler,
+            queue=old.queue,
+            priority=old.priority,
+            payload=old.payload,
+            headers=old.headers,
+            aggregate_type=old.aggregate_type,
+            aggregate_id=old.aggregate_id,
+            idempotency_key=requeued_key(old.idempotency_key, old.id),
+            group_key=old.group_key,
+            status="pending",
+            attempts=0,
+            max_attempts=old.max_attempts,
+            available_at=now,
+            created_at=now,
+            updated_at=now,
+            requeued_from=old.id,
+        )
+        .returning(m.c.id)
+    ).scalar_one()
+    _record_action(conn, old, "requeued", actor, reason, now, new_id=new_id)
+    return new_id
+
+
+def requeue(
+    engine: Engine, where: MessageFilter, *, reason: str, actor: str, batch_size: int = ACTION_BATCH
+) -> list[tuple[int, int]]:
     """Give dead (or discarded) messages a fresh start as new messages; returns (old id, new id) pairs.
 
     The old row is not touched: a ``requeued`` history row on it names the
     actor, the reason and the new id. The copy keeps the event id, payload,
     route, group and aggregate; its idempotency key gains a ``~requeue:<old id>``
-    suffix, because (route, key) is unique and the old row still holds the key.
+    suffix (see :func:`requeued_key`), because (route, key) is unique and the
+    old row still holds the key.
 
     A message is requeued at most once, because the old row stays dead and a
     second copy would deliver the event twice: named ids that already have a
     copy are refused (requeue the copy if it failed too), a filter skips them.
+
+    Named ids are acted on in one transaction, all or none. A filter works in
+    batches of ``batch_size`` messages, each its own transaction; it never
+    reads, locks or changes a message in any other status than dead or
+    discarded.
     """
     _check_reason(reason, actor)
+    _check_batch_size(batch_size)
     now = _now()
     pairs: list[tuple[int, int]] = []
-    with engine.begin() as conn:
-        targets = _select_targets(conn, where, REQUEUABLE, "requeue")
-        copied = _requeued_as(conn, [r.id for r in targets])
-        if copied and where.ids:
-            listed = ", ".join(f"{old} (as {new})" for old, new in sorted(copied.items()))
-            raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
-        for old in targets:
-            if old.id in copied:
-                continue
-            key = f"{old.idempotency_key}~requeue:{old.id}"[:255] if old.idempotency_key else None
-            new_id = conn.execute(
-                insert(m)
-                .values(
-                    event_id=old.event_id,
-                    event_type=old.event_type,
-                    handler=old.handler,
-                    queue=old.queue,
-                    priority=old.priority,
-                    payload=old.payload,
-                    headers=old.headers,
-                    aggregate_type=old.aggregate_type,
-                    aggregate_id=old.aggregate_id,
-                    idempotency_key=key,
-                    group_key=old.group_key,
-                    status="pending",
-                    attempts=0,
-                    max_attempts=old.max_attempts,
-                    available_at=now,
-                    created_at=now,
-                    updated_at=now,
-                    requeued_from=old.id,
-                )
-                .returning(m.c.id)
-            ).scalar_one()
-            _record_action(conn, old, "requeued", actor, reason, now, new_id=new_id)
-            pairs.append((old.id, new_id))
+    if where.ids:
+        with engine.begin() as conn:
+            targets = _named(conn, where, REQUEUABLE, "requeue", [m])
+            copied = _requeued_as(conn, [r.id for r in targets])
+            if copied:
+                listed = ", ".join(f"{old} (as {new})" for old, new in sorted(copied.items()))
+                raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
+            pairs = [(old.id, _copy(conn, old, actor, reason, now)) for old in targets]
+        return pairs
+    for conn, batch in _filtered_batches(engine, where, REQUEUABLE, "requeue", [m], batch_size, ~_has_copy()):
+        # Read again under the lock: a concurrent requeue may have committed a copy since the query began.
+        copied = _requeued_as(conn, [r.id for r in batch])
+        pairs += [(old.id, _copy(conn, old, actor, reason, now)) for old in batch if old.id not in copied]
     return pairs
 
 
-def discard(engine: Engine, where: MessageFilter, *, reason: str, actor: str) -> list[int]:
-    """Mark pending or dead messages as no longer wanted; each gets a ``discarded`` history row."""
+def _discard_one(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> bool:
+    changed = conn.execute(
+        update(m)
+        .where(m.c.id == old.id, m.c.status.in_(DISCARDABLE))
+        .values(status="discarded", updated_at=now, locked_by=None, locked_until=None)
+    ).rowcount
+    if changed:
+        _record_action(conn, old, "discarded", actor, reason, now)
+    return bool(changed)
+
+
+def discard(
+    engine: Engine, where: MessageFilter, *, reason: str, actor: str, batch_size: int = ACTION_BATCH
+) -> list[int]:
+    """Mark pending or dead messages as no longer wanted; each gets a ``discarded`` history row.
+
+    Named ids are acted on in one transaction, all or none; a filter works in
+    batches of ``batch_size``, each its own transaction, and never reads, locks
+    or changes a running message (it belongs to a relay).
+    """
     _check_reason(reason, actor)
+    _check_batch_size(batch_size)
     now = _now()
+    columns = [m.c.id, m.c.status, m.c.attempts]
+    if where.ids:
+        with engine.begin() as conn:
+            return [
+                r.id
+                for r in _named(conn, where, DISCARDABLE, "discard", columns)
+                if _discard_one(conn, r, actor, reason, now)
+            ]
     done: list[int] = []
-    with engine.begin() as conn:
-        for old in _select_targets(conn, where, DISCARDABLE, "discard"):
-            changed = conn.execute(
-                update(m)
-                .where(m.c.id == old.id, m.c.status.in_(DISCARDABLE))
-                .values(status="discarded", updated_at=now, locked_by=None, locked_until=None)
-            ).rowcount
-            if not changed:
-                continue
-            _record_action(conn, old, "discarded", actor, reason, now)
-            done.append(old.id)
+    for conn, batch in _filtered_batches(engine, where, DISCARDABLE, "discard", columns, batch_size):
+        done += [r.id for r in batch if _discard_one(conn, r, actor, reason, now)]
     return done
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from outbox import ConfigurationError, Outbox
 from outbox._argparse import OneLineParser
+from outbox._payload import text_problem
+from outbox._routes import check_name
 
 from .logs import configure
 from .metrics import RelayMetrics
@@ -44,25 +47,73 @@ def _env(name: str) -> str | None:
     return os.environ.get(f"OUTBOX_{name}") or None
 
 
-def _number(kind: Callable[[str], Any], low: float, inclusive: bool = False) -> Callable[[str], Any]:
+#: Upper bound of whole-number flags: a PostgreSQL integer, far beyond any sane setting.
+MAX_COUNT = 2**31 - 1
+#: Upper bound of durations in seconds (a year): beyond it asyncio's timers and datetimes overflow.
+MAX_SECONDS = 365 * 24 * 3600.0
+
+
+def _shown(value: str) -> str:
+    """A command-line value quoted for an error line: cut short, bytes that are not UTF-8 as ``\\xff``."""
+    try:  # argv bytes that are not UTF-8 arrive as lone surrogates: show the bytes themselves
+        raw = value[:40].encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = value[:40].encode("utf-8", "backslashreplace")
+    return f"'{raw.decode('utf-8', 'backslashreplace')}'" + ("..." if len(value) > 40 else "")
+
+
+def _number(
+    kind: Callable[[str], Any], low: float, inclusive: bool = False, high: float | None = None
+) -> Callable[[str], Any]:
+    top = high if high is not None else (MAX_COUNT if kind is int else MAX_SECONDS)
+    shown_top = f"{top:.0f}" if float(top).is_integer() else f"{top:g}"
+
     def parse(value: str) -> Any:
+        if len(value.strip()) > 40:  # before int(): 5,000 digits would hit Python's own limit
+            raise argparse.ArgumentTypeError(f"must be at most {shown_top}, got {_shown(value)}")
         try:
             number = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+            raise argparse.ArgumentTypeError(f"expected a number, got {_shown(value)}") from None
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {_shown(value)}")
         if number < low or (number == low and not inclusive):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {value!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if inclusive else '>'} {low:g}, got {_shown(value)}"
+            )
+        if number > top:
+            raise argparse.ArgumentTypeError(f"must be at most {shown_top}, got {_shown(value)}")
         return number
 
     return parse
 
 
+def _name(what: str) -> Callable[[str], str]:
+    """A queue or relay name: the rule route names follow, and valid UTF-8."""
+
+    def parse(value: str) -> str:
+        if text_problem(value):
+            raise argparse.ArgumentTypeError(f"{_shown(value)} is not valid UTF-8 text")
+        try:
+            return check_name(what, value)
+        except ConfigurationError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _text(value: str) -> str:
+    if text_problem(value):
+        raise argparse.ArgumentTypeError(f"{_shown(value)} is not valid UTF-8 text")
+    return value
+
+
 def _queue_limit(value: str) -> tuple[str, int]:
     name, sep, number = value.partition("=")
     if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected QUEUE=N, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected QUEUE=N, got {_shown(value)}")
     limit = _number(int, 1, inclusive=True)(number.strip())
-    return name.strip(), int(limit)
+    return _name("queue")(name.strip()), int(limit)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--queue",
         action="append",
+        type=_name("queue"),
         dest="queues",
         default=None,
         help="serve only this queue; repeat for several (default: every queue; $OUTBOX_QUEUES)",
@@ -132,7 +184,12 @@ def _parser() -> argparse.ArgumentParser:
         default=_env("GROUP_POLICY") or "block",
         help="what a dead message does to the rest of its group (default: block)",
     )
-    p.add_argument("--relay-id", default=_env("RELAY_ID"), help="name recorded in locks and history")
+    p.add_argument(
+        "--relay-id",
+        type=_name("relay_id"),
+        default=_env("RELAY_ID"),
+        help="name recorded in locks and history",
+    )
     p.add_argument(
         "--no-listen",
         action="store_true",
@@ -141,12 +198,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=_number(int, 0, inclusive=True),
+        type=_number(int, 0, inclusive=True, high=65535),
         default=_env("METRICS_PORT"),
         help="serve Prometheus /metrics, /healthz and /readyz on this port (needs the metrics extra)",
     )
     p.add_argument(
         "--metrics-host",
+        type=_text,
         default=_env("METRICS_HOST") or "127.0.0.1",
         help="address for --metrics-port (default: 127.0.0.1; 0.0.0.0 in a container)",
     )
@@ -201,10 +259,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--app is required (or set OUTBOX_APP)")
     if not args.database_url:
         parser.error("--database-url is required (or set OUTBOX_DATABASE_URL)")
+    if text_problem(args.database_url):
+        parser.error("--database-url is not valid UTF-8 text")
     try:
         make_url(args.database_url)
     except ArgumentError:
         parser.error(f"--database-url {args.database_url!r} is not a SQLAlchemy database URL")
+    if args.queues is None and args.env_queues:
+        try:
+            args.env_queues = [_name("queue")(q) for q in args.env_queues]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"OUTBOX_QUEUES: {exc}")
     queue_limits = args.queue_concurrency
     if queue_limits is None and args.env_queue_concurrency:
         try:
@@ -268,8 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: database error: {_first_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # --once only: run() handles SIGINT itself
-        print(f"{PROG}: interrupted; unfinished messages were handed back (or return when their lease ends)",
-              file=sys.stderr)
+        print(
+            f"{PROG}: interrupted; unfinished messages were handed back (or return when their lease ends)",
+            file=sys.stderr,
+        )
         return 130
     finally:
         if metrics is not None:

@@ -8,20 +8,22 @@ databases, with the helpers (and the seeded messages in every status) of test_op
 from __future__ import annotations
 
 import getpass
+import itertools
 import os
 import pty
 import re
 import subprocess
 import sys
 import textwrap
-from datetime import timedelta
+import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_ops_cli
 from aging import age_history
-from sqlalchemy import func, select, text, update
+from sqlalchemy import event, func, insert, select, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 from test_ops_cli import FAST, assert_one_line_error, ok, ok_json, outbox_cmd, run, snapshot
@@ -487,3 +489,161 @@ def test_every_query_in_the_guide_runs(seeded):
     assert dead and all(rows == [(1,)] for rows in dead), dead  # order:8; order:7 has a copy
     (retention,) = [rows for statement, rows in results.items() if "FROM outbox_retention_run" in statement]
     assert [r.actor for r in retention] == ["guide"]
+
+
+# -- requeue: keys of any valid length, copies of copies ------------------------------------------
+
+
+def refused_forever(engine: Engine) -> tuple[Outbox, sessionmaker[Any]]:
+    """An outbox whose only route fails permanently: every message, and every copy, ends dead."""
+    ob = Outbox(default_backoff=FAST)
+    maker = sessionmaker(engine)
+    ob.install(maker)
+
+    @ob.handler("order.paid", name="invoice", queue="billing")
+    def invoice(msg: outbox.Message) -> None:
+        raise outbox.PermanentError("billing refuses every order")
+
+    return ob, maker
+
+
+@pytest.mark.parametrize("length", [255, 254, 246, 200])
+def test_requeue_works_for_any_key_length_and_for_copies_of_copies(engine, length):
+    ob, maker = refused_forever(engine)
+    key = "k" * (length - 4) + "ключ"  # not only ASCII: the limit counts characters
+    try:
+        with maker.begin() as s:
+            emit(s, "order.paid", {"order_id": 1}, key=key)
+        Relay(ob, engine).run_until_idle()
+        with engine.connect() as conn:
+            original = conn.execute(select(m.c.id).where(m.c.status == "dead")).scalar_one()
+        url = engine.url.render_as_string(hide_password=False)
+        out = ok(run("requeue", str(original), "--reason", "billing fixed", database_url=url))
+        copy = int(re.findall(r"^requeued \d+ as (\d+)$", out, re.M)[0])
+        chain = [original, copy]
+        for _ in range(3):  # the copy dies too, and its copy, ...
+            Relay(ob, engine).run_until_idle()
+            again = ops.MessageFilter(ids=(chain[-1],))
+            ((_, newest),) = ops.requeue(engine, again, reason="again", actor="t")
+            chain.append(newest)
+        with engine.connect() as conn:
+            keys = dict(conn.execute(select(m.c.id, m.c.idempotency_key).where(m.c.id.in_(chain))).all())
+    finally:
+        ob.uninstall(maker)
+    assert keys[original] == key
+    assert len(set(keys.values())) == len(chain), "every copy has a key of its own"
+    for old, new in itertools.pairwise(chain):
+        assert keys[new] == ops.requeued_key(keys[old], old), "derivable from the copied row"
+        assert keys[new].endswith(f"~requeue:{old}") and len(keys[new]) <= 255
+    short = "order:7"
+    assert ops.requeued_key(short, 5) == "order:7~requeue:5", "short keys keep the whole key"
+
+
+# -- requeue and discard by filter: running messages are a relay's, and batches bound the work ------
+
+
+@pytest.mark.parametrize("verb", ["requeue", "discard"])
+def test_a_filtered_action_never_locks_or_touches_a_running_message(seeded, verb):
+    """``--handler monthly_report`` matches a running, a pending and a discarded message."""
+    engine, running = seeded.engine, seeded.id("report:2026-09")
+    before = test_ops_cli.fingerprint(engine, running)
+    history_before = test_ops_cli.history_of(engine, running)
+    probes: list[str] = []
+
+    def probe(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # While the action's transaction holds its locks: can a relay still update its running row?
+        if engine.dialect.name != "postgresql" or "FOR UPDATE" not in statement or probes:
+            return
+        relay_side = create(seeded.url)
+        try:
+            with relay_side.connect() as other:
+                other.execute(text("SET lock_timeout = '2s'"))
+                other.execute(update(m).where(m.c.id == running).values(last_error=m.c.last_error))
+                other.rollback()  # the probe leaves the row as it was
+            probes.append("updated")
+        except Exception as error:
+            probes.append(type(getattr(error, "orig", error)).__name__)
+        finally:
+            relay_side.dispose()
+
+    event.listen(engine, "after_cursor_execute", probe)
+    try:
+        where = ops.MessageFilter(handler="monthly_report")
+        if verb == "requeue":
+            acted = [old for old, _ in ops.requeue(engine, where, reason="rerun", actor="t")]
+            expected = [seeded.id("report:2026-11")]
+        else:
+            acted = ops.discard(engine, where, reason="not wanted", actor="t")
+            expected = [seeded.id("report:2026-10")]
+    finally:
+        event.remove(engine, "after_cursor_execute", probe)
+    assert acted == expected
+    if engine.dialect.name == "postgresql":
+        assert probes == ["updated"], "the relay's running row must not wait for an operator"
+    assert test_ops_cli.fingerprint(engine, running) == before
+    assert test_ops_cli.history_of(engine, running) == history_before
+
+
+def dead_rows(engine: Engine, count: int) -> list[int]:
+    """``count`` dead messages of one route, as a relay would have left them."""
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        conn.execute(
+            insert(m),
+            [
+                {
+                    "event_id": uuid.uuid4(),
+                    "event_type": "order.paid",
+                    "handler": "invoice",
+                    "queue": "billing",
+                    "priority": 0,
+                    "payload": {"order_id": n, "lines": ["x" * 100] * 5},
+                    "headers": {},
+                    "idempotency_key": f"order:{n}",
+                    "status": "dead",
+                    "attempts": 1,
+                    "max_attempts": 1,
+                    "available_at": now,
+                    "created_at": now,
+                    "updated_at": now,
+                    "last_error": "billing refused it",
+                }
+                for n in range(count)
+            ],
+        )
+        return list(conn.execute(select(m.c.id).order_by(m.c.id)).scalars())
+
+
+def test_a_large_filtered_requeue_and_discard_work_in_batches(engine):
+    originals = dead_rows(engine, 1200)
+    batches: list[int] = []
+
+    def count_batches(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        if statement.lstrip().startswith("SELECT") and "LIMIT" in statement and "outbox_message" in statement:
+            batches.append(1)
+
+    event.listen(engine, "after_cursor_execute", count_batches)
+    try:
+        pairs = ops.requeue(
+            engine, ops.MessageFilter(handler="invoice"), reason="billing fixed", actor="t", batch_size=500
+        )
+        requeue_batches, batches[:] = len(batches), []
+        discarded = ops.discard(
+            engine, ops.MessageFilter(status="pending"), reason="refunded", actor="t", batch_size=500
+        )
+    finally:
+        event.remove(engine, "after_cursor_execute", count_batches)
+    assert [old for old, _ in pairs] == originals, "each dead message copied once, in id order"
+    assert requeue_batches == 4, "500, 500, 200, then an empty read"
+    assert sorted(discarded) == sorted(new for _, new in pairs) and len(batches) == 4
+    with engine.connect() as conn:
+        by_status = dict(conn.execute(select(m.c.status, func.count()).group_by(m.c.status)).all())
+        history = dict(conn.execute(select(a.c.outcome, func.count()).group_by(a.c.outcome)).all())
+    assert by_status == {"dead": 1200, "discarded": 1200}
+    assert history == {"requeued": 1200, "discarded": 1200}
+    # Repeating the bulk requeue copies no original twice, batch after batch.
+    dead = ops.MessageFilter(handler="invoice", status="dead")
+    assert ops.requeue(engine, dead, reason="again", actor="t", batch_size=7) == []
+    url = engine.url.render_as_string(hide_password=False)
+    again = run("requeue", "--status", "dead", "--reason", "r", "--yes", "--json", database_url=url)
+    assert ok_json(again) == []

@@ -640,6 +640,37 @@ BAD_INPUT: list[tuple[str, list[str], int, list[str]]] = [
         2,
         ["bad duration '3x'", "s, m, h, d, w"],
     ),
+    ("id past bigint", ["show", "9" * 20, "--database-url", "sqlite://"], 2, ["at most 9223372036854775807"]),
+    ("5,000-digit id", ["discard", "9" * 5000, "--reason", "r"], 2, ["argument ID: must be at most"]),
+    ("page past bigint", ["list", "--limit", "9" * 20], 2, ["--limit: must be at most"]),
+    (
+        "batch past bigint",
+        ["purge", "--delivered-older-than", "1d", "--batch-size", "9" * 20],
+        2,
+        ["--batch-size"],
+    ),
+    (
+        "time before year 1 in UTC",
+        ["list", "--since", "0001-01-01T00:00+01:00"],
+        2,
+        ["--since", "out of range"],
+    ),
+    (
+        "time past 9999 in UTC",
+        ["list", "--before", "9999-12-31T23:00-05:00"],
+        2,
+        ["--before", "out of range"],
+    ),
+    ("non-UTF-8 handler", ["list", "--handler", "\udcff"], 2, ["--handler: '\\xff' is not valid UTF-8"]),
+    ("non-UTF-8 reason", ["requeue", "--queue", "q", "--reason", "r\udcff", "--yes"], 2, ["--reason"]),
+    ("non-UTF-8 actor", ["purge", "--delivered-older-than", "1d", "--actor", "\udcff"], 2, ["--actor"]),
+    ("non-UTF-8 revision", ["migrate", "--revision", "\udcff"], 2, ["--revision"]),
+    (
+        "non-UTF-8 URL",
+        ["stats", "--database-url", "sqlite:///\udcff"],
+        2,
+        ["--database-url is not valid UTF-8"],
+    ),
 ]
 
 
@@ -659,3 +690,37 @@ def test_refusals_on_an_empty_database_name_the_problem(migrated_sqlite):
     )
     assert_one_line_error(unknown, 1, "no message with id 42")
     assert_one_line_error(everything, 1, "never acts on everything")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["show", "99999999999999999999"], "argument id: must be at most 9223372036854775807"),
+        (["list", "--before-id", "99999999999999999999"], "--before-id: must be at most"),
+        (["list", "--handler", "\udcff"], "--handler: '\\xff' is not valid UTF-8 text"),
+        (["discard", "--event-type", "\udcff", "--reason", "r", "--yes"], "--event-type"),
+    ],
+    ids=["show-past-bigint", "before-id-past-bigint", "handler-not-utf8", "event-type-not-utf8"],
+)
+def test_ids_past_bigint_and_text_that_is_not_utf_8_are_usage_errors_on_either_database(
+    database_url, args, needle
+):
+    """SQLite raised OverflowError for the ids and the driver UnicodeEncodeError for the text."""
+    assert_one_line_error(run(*args, database_url=database_url), 2, needle)
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(migrated_sqlite):
+    """``outbox stats | head -1``: the pipe closes before the command writes; it exits 1, quietly."""
+    for args in (["stats"], ["list", "--json"]):
+        proc = subprocess.Popen(
+            outbox_cmd(*args, database_url=migrated_sqlite),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before the interpreter has even started
+        stderr = proc.stderr.read()
+        assert proc.wait(timeout=60) == 1, stderr
+        assert stderr == "", stderr

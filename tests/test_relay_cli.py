@@ -90,7 +90,27 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
         (["--app", APP, "--database-url", "sqlite://", "--queue-concurrency", "reports=0"], ">= 1"),
         (["--app", APP, "--database-url", "sqlite://", "--queue-concurrency", "=3"], "QUEUE=N"),
         (["--app", APP, "--database-url", "sqlite://", "--queue-concurrency", "reports=two"], "'two'"),
-    ],
+    ]
+    + [
+        (["--app", APP, "--database-url", "sqlite://", *flag], needle)
+        for flag, needle in (
+            (["--metrics-port", "70000"], "--metrics-port: must be at most 65535"),
+            (["--poll-interval", "nan"], "--poll-interval: expected a finite number"),
+            (["--lease", "inf"], "--lease: expected a finite number"),
+            (["--grace-period", "1e400"], "--grace-period: expected a finite number"),
+            (["--lease", "1e12"], "--lease: must be at most 31536000"),
+            (["--concurrency", "9" * 20], "--concurrency: must be at most 2147483647"),
+            (["--batch-size", "9" * 5000], "--batch-size: must be at most 2147483647"),
+            (["--queue-concurrency", "reports=" + "9" * 20], "must be at most 2147483647"),
+            (["--queue-concurrency", "bulk jobs=2"], "whitespace"),
+            (["--queue", "\udcff"], "--queue: '\\xff' is not valid UTF-8"),
+            (["--queue", "q" * 256], "at most 255 characters"),
+            (["--relay-id", "r\udcff"], "--relay-id: 'r\\xff' is not valid UTF-8"),
+            (["--metrics-host", "\udcff", "--metrics-port", "0"], "--metrics-host"),
+            (["--queue-concurrency", "\udcff=1"], "--queue-concurrency"),
+        )
+    ]
+    + [(["--app", APP, "--database-url", "sqlite:///\udcff.db"], "--database-url is not valid UTF-8")],
     ids=[
         "no-app",
         "no-url",
@@ -103,6 +123,21 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
         "queue-cap-zero",
         "queue-cap-no-queue",
         "queue-cap-text",
+        "metrics-port-past-65535",
+        "poll-nan",
+        "lease-inf",
+        "grace-overflows-to-inf",
+        "lease-past-a-year",
+        "concurrency-past-int4",
+        "batch-size-5000-digits",
+        "queue-cap-past-int4",
+        "queue-cap-bad-name",
+        "queue-not-utf8",
+        "queue-too-long",
+        "relay-id-not-utf8",
+        "metrics-host-not-utf8",
+        "queue-cap-name-not-utf8",
+        "url-not-utf8",
     ],
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path, args, needle):
@@ -154,6 +189,17 @@ def unmigrated_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[s
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.mark.parametrize(
+    ("flag", "env"),
+    [(["--queue", "\udcff"], {}), ([], {"OUTBOX_QUEUES": "mail,\udcff"}), (["--relay-id", "\udcff"], {})],
+    ids=["queue-flag", "queues-env", "relay-id"],
+)
+def test_text_that_is_not_utf_8_is_refused_before_the_database_sees_it(database_url, tmp_path, flag, env):
+    """Bytes that are not UTF-8 in argv or the environment once crashed the relay in the driver."""
+    result = run_relay("--app", APP, "--database-url", database_url, "--once", *flag, cwd=tmp_path, **env)
+    assert_one_line_error(result, 2, "not valid UTF-8", usage=True)
 
 
 def test_a_database_without_the_outbox_tables_exits_1_pointing_at_outbox_migrate(tmp_path, unmigrated_url):

@@ -298,6 +298,69 @@ def test_verify_refuses_tampering_missing_headers_and_stale_or_future_timestamps
 
 
 @pytest.mark.parametrize(
+    "stamp",
+    ["²", "١٧٠٠٠٠٠٠٠٠", "9" * 400, "9" * 5000, "1" * 13, "-1", "17e8", ""],
+    ids=[
+        "superscript",
+        "arabic-indic",
+        "400-digits",
+        "5000-digits",
+        "13-digits",
+        "negative",
+        "float",
+        "empty",
+    ],
+)
+def test_any_bad_timestamp_is_a_verification_error_never_a_crash(stamp):
+    """A receiver maps WebhookVerificationError to 400; anything else would answer 500."""
+    body = b'{"n":1}'
+    headers = {"webhook-id": "msg_1", "webhook-timestamp": stamp, "webhook-signature": "v1,AAAA"}
+    with pytest.raises(WebhookVerificationError, match="webhook-timestamp|missing header"):
+        verify(body, headers, SECRET)
+
+
+def test_text_that_is_not_utf_8_is_a_verification_error_never_a_crash():
+    now = int(time.time())
+    good = {"webhook-id": "msg_1", "webhook-timestamp": str(now), "webhook-signature": "v1,AAAA"}
+    with pytest.raises(WebhookVerificationError, match="body is not valid UTF-8"):
+        verify('{"n":"\ud800"}', good, SECRET)
+    with pytest.raises(WebhookVerificationError, match="webhook-id is not valid UTF-8"):
+        verify("{}", {**good, "webhook-id": "msg_\udcff"}, SECRET)
+
+
+@pytest.fixture
+def other_receiver() -> Iterator[Receiver]:
+    """A second host, as a payload URL might name (still 127.0.0.1, on another port)."""
+    yield from serve(Receiver())
+
+
+def test_configured_headers_reach_only_the_configured_origin_unless_opted_in(receiver, other_receiver):
+    token = {"Authorization": "Bearer partner-token-123"}
+    with pytest.raises(ConfigurationError, match="headers_to_payload_urls=True") as refused:
+        WebhookHandler(secret=SECRET, allowed_networks=LOCAL, headers=token)
+    assert "partner-token-123" not in str(refused.value), "header values never appear in errors"
+    with pytest.raises(ConfigurationError, match="only with url=None"):
+        WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, headers_to_payload_urls=True)
+
+    call(WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, headers=token), message({"n": 1}))
+    anywhere = WebhookHandler(secret=SECRET, allowed_networks=LOCAL)
+    call(anywhere, message({"url": other_receiver.url(), "n": 2}))
+    chosen = WebhookHandler(
+        secret=SECRET, allowed_networks=LOCAL, headers=token, headers_to_payload_urls=True
+    )
+    call(chosen, message({"url": other_receiver.url(), "n": 3}))
+
+    (fixed,) = receiver.requests
+    assert fixed.headers["authorization"] == "Bearer partner-token-123"
+    unconfigured, opted_in = other_receiver.requests
+    assert "authorization" not in unconfigured.headers
+    verify(
+        unconfigured.body, unconfigured.headers, SECRET
+    )  # signed all the same: each host checks the secret
+    assert opted_in.headers["authorization"] == "Bearer partner-token-123"
+
+
+@pytest.mark.parametrize(
     ("secret", "complaint"),
     [
         ("k" * 40, "must start with 'whsec_'"),

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
 
 import pytest
 from sqlalchemy import String, func, select, text
@@ -10,7 +11,7 @@ from sqlalchemy.exc import DatabaseError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import outbox
-from outbox import InvalidEmitOption, Outbox, OutboxMixin, PayloadError, UnroutedEvent, emit
+from outbox import EmitError, InvalidEmitOption, Outbox, OutboxMixin, PayloadError, UnroutedEvent, emit
 
 m = outbox.outbox_message
 
@@ -206,6 +207,14 @@ def test_the_payload_is_captured_at_emit_time(maker, engine):
         ({"queue": "bulk jobs"}, InvalidEmitOption, "whitespace"),
         ({"queue": ""}, InvalidEmitOption, "non-empty"),
         ({"priority": 1.5}, InvalidEmitOption, "priority"),
+        # json.dumps would raise ValueError (Python's int-to-text digit limit) or TypeError (not a dict).
+        ({"payload": {"n": [10**5000]}}, PayloadError, r"payload\['n'\]\[0\] is an integer of more than"),
+        ({"payload": MappingProxyType({"a": 1})}, PayloadError, "got mappingproxy; pass dict"),
+        (
+            {"payload": {"a": MappingProxyType({})}},
+            PayloadError,
+            r"payload\['a'\] is a mappingproxy.*dict\(value\)",
+        ),
     ],
 )
 def test_what_the_database_cannot_store_is_refused_at_emit(maker, engine, kwargs, error, needle):
@@ -284,3 +293,39 @@ def test_a_custom_aggregate_type_and_an_id_known_only_after_flush(maker, engine)
         (account_id,) = s.execute(select(Account.id)).one()
     stored = {(r.aggregate_type, r.aggregate_id) for r in rows(engine)}
     assert stored == {("billing.Account", str(account_id))}
+
+
+class Coupon(OutboxMixin, Base):
+    __tablename__ = "coupons"
+    code: Mapped[str] = mapped_column(String(400), primary_key=True)
+
+
+class Oversized(OutboxMixin, Base):
+    __tablename__ = "oversized"
+    __outbox_aggregate_type__ = "x" * 256
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
+@pytest.mark.parametrize(
+    ("aggregate", "needle"),
+    [
+        (lambda: Coupon(code="c" * 256), "primary key of this Coupon .* is 256 characters"),
+        (lambda: Coupon(code="c\x00"), "primary key of this Coupon .* contains a NUL"),
+        (lambda: Oversized(id=1), "__outbox_aggregate_type__ of Oversized must be a string of at most 255"),
+    ],
+)
+def test_an_aggregate_the_columns_cannot_hold_is_refused_at_emit_and_the_business_change_commits(
+    maker, engine, aggregate, needle
+):
+    with maker() as s, s.begin():
+        refused = aggregate()
+        s.add(refused)
+        with pytest.raises(EmitError, match=needle):
+            refused.emit("user.signed_up", {})
+        s.expunge(refused)
+        kept = Coupon(code="c" * 255)  # the longest id that fits
+        s.add(kept)
+        kept.emit("user.signed_up", {})
+    with maker() as s:
+        assert s.scalars(select(Coupon.code)).all() == ["c" * 255]
+    assert {r.aggregate_id for r in rows(engine)} == {"c" * 255}
