@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from . import signals
 from ._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
 from ._install import outbox_for, write_late
-from ._payload import check_headers, serialise_payload, text_problem
+from ._payload import check_headers, route_document, serialise_payload, text_problem
 from ._pending import PendingEvent, events_of, innermost
 from ._routes import check_name, check_priority
 from ._write import AGGREGATE_LIMIT, aggregate_identity
@@ -152,7 +152,10 @@ def emit(
             "handler": route.name,
             "queue": queue or route.queue,
             "priority": route.priority if priority is None else priority,
-            "payload": document,  # the checked JSON text, not the caller's (mutable) object
+            # The checked JSON text, not the caller's (mutable) object; shaped per route if it says so.
+            "payload": document
+            if route.validator is None and route.transform is None
+            else route_document(route, event_type, payload, document, outbox.payload_limit),
             "headers": header_map,
             "aggregate_type": aggregate_type,
             "aggregate_id": None,

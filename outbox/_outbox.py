@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._payload import DEFAULT_PAYLOAD_LIMIT
-from ._routes import Route, check_name, check_priority, handler_name
+from ._routes import Route, Transform, check_name, check_priority, handler_name
 
 __all__ = ["Outbox"]
 
@@ -73,8 +73,15 @@ class Outbox:
         queue: str | None = None,
         priority: int | None = None,
         backoff: Backoff | None = None,
+        transform: Transform | None = None,
     ) -> Route:
-        """Subscribe ``handler`` to ``event_type``; every emit then stores one message for it."""
+        """Subscribe ``handler`` to ``event_type``; every emit then stores one message for it.
+
+        ``transform(payload) -> payload``, a plain function, makes this route's
+        payload from the event's at emit time; the result is checked like any
+        payload, stored in this route's row and handed to its handler. A handler
+        with ``outbox_validate(payload)`` has it called at emit with that payload.
+        """
         route = Route(
             event_type=event_type,
             name=name if name is not None else handler_name(handler),
@@ -84,6 +91,7 @@ class Outbox:
             queue=self.default_queue if queue is None else queue,
             priority=self.default_priority if priority is None else priority,
             backoff=self.default_backoff if backoff is None else backoff,
+            transform=transform,
         )
         existing = self._routes.get(route.name)
         if existing is not None:
@@ -105,6 +113,7 @@ class Outbox:
         queue: str | None = None,
         priority: int | None = None,
         backoff: Backoff | None = None,
+        transform: Transform | None = None,
     ) -> Callable[[F], F]:
         """Decorator form of :meth:`route`; returns the function unchanged."""
 
@@ -118,6 +127,7 @@ class Outbox:
                 queue=queue,
                 priority=priority,
                 backoff=backoff,
+                transform=transform,
             )
             return fn
 

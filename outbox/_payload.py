@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._exceptions import InvalidEmitOption, PayloadError
 
-__all__ = ["DEFAULT_PAYLOAD_LIMIT", "check_headers", "serialise_payload", "text_problem"]
+if TYPE_CHECKING:
+    from ._routes import Route
+
+__all__ = ["DEFAULT_PAYLOAD_LIMIT", "check_headers", "route_document", "serialise_payload", "text_problem"]
 
 DEFAULT_PAYLOAD_LIMIT = 64 * 1024
 
@@ -164,6 +168,48 @@ def serialise_payload(payload: Any, limit: int) -> str:
             "reference (an id, a URL) and load the data in the handler, or raise the limit "
             "with Outbox(payload_limit=...)"
         )
+    return document
+
+
+def route_document(route: Route, event_type: str, payload: Any, document: str, limit: int) -> str:
+    """The JSON text ``route`` stores for one event, or PayloadError naming the route.
+
+    ``document`` is the event's checked payload text. A transform gets its own
+    copy parsed from it (what a handler would see; one route's transform cannot
+    change what the next one gets), and its result passes the same checks as an
+    event's payload. The handler's validator then sees the route's payload.
+    Called only for routes with a transform or a validator.
+    """
+    shaped = payload
+    if route.transform is not None:
+        try:
+            shaped = route.transform(json.loads(document))
+        except Exception as exc:
+            raise PayloadError(
+                f"route {route.name!r}: transform of the {event_type!r} payload failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(shaped, dict) and inspect.isawaitable(shaped):
+            close = getattr(shaped, "close", None)
+            if close is not None:
+                close()  # never awaited: say so here rather than in a RuntimeWarning
+            raise PayloadError(
+                f"route {route.name!r}: transform of the {event_type!r} payload returned an awaitable; "
+                "a transform runs inside emit() and must be a plain function"
+            )
+        try:
+            document = serialise_payload(shaped, limit)
+        except PayloadError as exc:
+            raise PayloadError(
+                f"route {route.name!r}: transform of the {event_type!r} payload returned one that "
+                f"cannot be stored: {exc}"
+            ) from exc
+    if route.validator is not None:
+        try:
+            route.validator(shaped)
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, PayloadError) else f"{type(exc).__name__}: {exc}"
+            raise PayloadError(f"route {route.name!r} refuses this {event_type!r} payload: {reason}") from exc
     return document
 
 

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 
-__all__ = ["Route", "check_name", "handler_name"]
+__all__ = ["Route", "Transform", "Validator", "check_name", "handler_name"]
+
+#: ``transform(event_payload) -> route_payload``: shapes one route's payload at emit time.
+Transform = Callable[[dict[str, Any]], Any]
+#: ``handler.outbox_validate(route_payload) -> None``: refuses a payload its handler could not deliver.
+Validator = Callable[[Any], None]
 
 _NAME_LIMIT = 255
 _NAME = re.compile(r"^[^\s\x00-\x1f\x7f]+$")
@@ -49,6 +56,10 @@ class Route:
 
     ``name`` is what the ``handler`` column stores and what relays claim by, so
     renaming a route strands its pending messages; keep it stable.
+
+    ``transform`` shapes the payload this route stores from the event's payload
+    at emit time; ``validator`` is the handler's ``outbox_validate``, found
+    here once so an emit to a route with neither pays nothing for them.
     """
 
     event_type: str
@@ -59,6 +70,8 @@ class Route:
     queue: str
     priority: int
     backoff: Backoff = Backoff()
+    transform: Transform | None = None
+    validator: Validator | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_name("event type", self.event_type)
@@ -86,6 +99,27 @@ class Route:
             raise ConfigurationError(
                 f"route {self.name!r}: backoff must be an outbox.Backoff, got {self.backoff!r}"
             )
+        if self.transform is not None:
+            _check_plain_callable(self.transform, f"route {self.name!r}: transform")
+        validator = getattr(self.handler, "outbox_validate", None)
+        if validator is not None:
+            _check_plain_callable(validator, f"route {self.name!r}: the handler's outbox_validate")
+        object.__setattr__(self, "validator", validator)
+
+
+def _check_plain_callable(fn: object, what: str) -> None:
+    """Emit-time hooks run inside emit(), a plain function: they cannot be awaited there."""
+    if not callable(fn):
+        raise ConfigurationError(f"{what} must be callable, got {fn!r}")
+    if (
+        inspect.iscoroutinefunction(fn)
+        or inspect.isasyncgenfunction(fn)
+        or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
+    ):
+        raise ConfigurationError(
+            f"{what} must be a plain function, not async: it runs inside emit(), in the request, "
+            "where nothing can be awaited"
+        )
 
 
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
