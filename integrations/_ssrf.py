@@ -30,6 +30,7 @@ IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
 
 
 class BlockedAddress(Exception):
@@ -125,6 +126,22 @@ class AddressPolicy:
         reason = self.refusal(address)
         if reason is not None:
             raise BlockedAddress(host, address, reason)
+
+    def precheck(self, host: str) -> None:
+        """The checks that need no DNS: an IP literal, or a name that always means loopback.
+
+        ``localhost`` and ``*.localhost`` resolve to loopback wherever RFC 6761
+        is followed. They are judged as 127.0.0.1, the address they always
+        include: a refusal here is certain at delivery too, while ``::1``, which
+        some hosts add, is left to :meth:`resolve`. Any other name passes here
+        and is judged on its addresses by :meth:`resolve`.
+        """
+        literal = literal_address(host)
+        name = host.lower().rstrip(".")
+        if literal is None and (name == "localhost" or name.endswith(".localhost")):
+            literal = _LOCALHOST
+        if literal is not None:
+            self.check(host, literal)
 
     async def resolve(self, host: str, port: int) -> list[IPAddress]:
         """Every address of ``host``, all checked; raise on the first refused one.

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from outbox import ConfigurationError, Message, PermanentError, RetryLater
+from outbox import ConfigurationError, Message, PayloadError, PermanentError, RetryLater
 
 from ._mail import (
     Body,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from email.headerregistry import Address
     from email.message import EmailMessage
 
-    from jinja2 import BaseLoader, Environment
+    from jinja2 import BaseLoader, Environment, Template
 
 __all__ = ["EmailHandler", "RateLimiter", "SentLog", "SentRecord", "email_metadata", "outbox_email_sent"]
 
@@ -184,48 +184,59 @@ class EmailHandler:
 
     def build(self, message: Message) -> EmailMessage:
         """The mail ``message`` sends, without sending it (previews, tests); raises PermanentError."""
-        payload = message.payload
-        if not isinstance(payload, Mapping):
-            raise PermanentError("an email payload must be a JSON object", detail={"reason": "bad_payload"})
+        payload = _mapping(message.payload)
         recipients = parse_recipients(payload.get("to"))
         return build_mail(self._sender, recipients, self._body(message, payload), self.message_id(message))
 
+    def outbox_validate(self, payload: Any) -> None:
+        """Refuse at emit, with ``PayloadError``, a payload that :meth:`build` would refuse at delivery.
+
+        ``emit()`` calls it with the route's payload. It checks what the payload
+        decides: the recipients, a subject with a text and/or html body, or a
+        template name whose files this handler finds. Rendering waits for
+        delivery, where ``context_loader`` completes the context; the SMTP
+        server's verdict on a recipient can only come then too.
+        """
+        try:
+            payload = _mapping(payload)
+            parse_recipients(payload.get("to"))
+            if "template" in payload:
+                env, name, _ = self._template_request(payload)
+                _templates(env, name)
+            else:
+                _ready_body(payload)
+        except PermanentError as exc:
+            raise PayloadError(str(exc)) from None
+
     def _body(self, message: Message, payload: Mapping[str, Any]) -> Body:
         if "template" in payload:
-            if "subject" in payload or "text" in payload or "html" in payload:
-                raise PermanentError(
-                    "payload gives both 'template' and 'subject'/'text'/'html'; use one or the other",
-                    detail={"reason": "bad_payload"},
-                )
-            return self._render(message, payload)
-        subject, text, html = payload.get("subject"), payload.get("text"), payload.get("html")
-        if subject is None:
+            return self._render(message, *self._template_request(payload))
+        return _ready_body(payload)
+
+    def _template_request(self, payload: Mapping[str, Any]) -> tuple[Environment, str, dict[str, Any]]:
+        """The environment, template name and payload context of a templated mail, all checked."""
+        if "subject" in payload or "text" in payload or "html" in payload:
             raise PermanentError(
-                "payload needs 'subject' with 'text' and/or 'html', or 'template' with 'context'",
+                "payload gives both 'template' and 'subject'/'text'/'html'; use one or the other",
                 detail={"reason": "bad_payload"},
             )
-        if not all(part is None or isinstance(part, str) for part in (text, html)) or text is html is None:
-            raise PermanentError(
-                "payload needs 'text' and/or 'html' strings", detail={"reason": "bad_payload"}
-            )
-        return Body(checked_header("subject", subject), text, html)
-
-    def _render(self, message: Message, payload: Mapping[str, Any]) -> Body:
         env = self._templates
         if env is None:
             raise PermanentError(
                 "payload names a template but this EmailHandler has no templates=",
                 detail={"reason": "no_templates"},
             )
-        from jinja2 import TemplateError, TemplateNotFound
-
         name = payload["template"]
         if not isinstance(name, str) or not _TEMPLATE_NAME.match(name) or ".." in name:
             raise PermanentError(f"invalid template name {name!r}", detail={"reason": "bad_template_name"})
         context = payload.get("context", {})
         if not isinstance(context, Mapping):
             raise PermanentError("payload 'context' must be an object", detail={"reason": "bad_payload"})
-        context = dict(context)
+        return env, name, dict(context)
+
+    def _render(self, message: Message, env: Environment, name: str, context: dict[str, Any]) -> Body:
+        from jinja2 import TemplateError
+
         if self.context_loader is not None:
             loaded = self.context_loader(message)
             if not isinstance(loaded, Mapping):
@@ -234,36 +245,19 @@ class EmailHandler:
                     detail={"reason": "bad_context"},
                 )
             context.update(loaded)
+        subject, text, html = _templates(env, name)
         try:
-            subject = env.get_template(f"{name}.subject.txt")
-        except TemplateNotFound:
-            raise PermanentError(
-                f"template {name}.subject.txt not found (a template needs a subject)",
-                detail={"reason": "template_not_found", "template": f"{name}.subject.txt"},
-            ) from None
-        parts: dict[str, str | None] = {}
-        try:
-            for suffix in ("txt", "html"):
-                try:
-                    template = env.get_template(f"{name}.{suffix}")
-                except TemplateNotFound as exc:
-                    if exc.name != f"{name}.{suffix}":
-                        raise
-                    parts[suffix] = None
-                    continue
-                parts[suffix] = template.render(context)
-            rendered_subject = subject.render(context)
-        except TemplateError as exc:  # syntax, undefined variable, sandbox violation, missing include
+            body = Body(
+                checked_header("subject", subject.render(context)),
+                None if text is None else text.render(context),
+                None if html is None else html.render(context),
+            )
+        except TemplateError as exc:  # undefined variable, sandbox violation, missing include
             raise PermanentError(
                 f"template {name} failed: {type(exc).__name__}: {exc}",
                 detail={"reason": "template_error", "template": name},
             ) from None
-        if parts["txt"] is None and parts["html"] is None:
-            raise PermanentError(
-                f"template {name} has neither {name}.txt nor {name}.html",
-                detail={"reason": "template_not_found", "template": name},
-            )
-        return Body(checked_header("subject", rendered_subject), parts["txt"], parts["html"])
+        return body
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -336,6 +330,61 @@ class EmailHandler:
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
+
+
+def _mapping(payload: Any) -> Mapping[str, Any]:
+    if not isinstance(payload, Mapping):
+        raise PermanentError("an email payload must be a JSON object", detail={"reason": "bad_payload"})
+    return payload
+
+
+def _ready_body(payload: Mapping[str, Any]) -> Body:
+    """The subject and bodies a payload without a template gives, checked."""
+    subject, text, html = payload.get("subject"), payload.get("text"), payload.get("html")
+    if subject is None:
+        raise PermanentError(
+            "payload needs 'subject' with 'text' and/or 'html', or 'template' with 'context'",
+            detail={"reason": "bad_payload"},
+        )
+    if not all(part is None or isinstance(part, str) for part in (text, html)) or text is html is None:
+        raise PermanentError("payload needs 'text' and/or 'html' strings", detail={"reason": "bad_payload"})
+    return Body(checked_header("subject", subject), text, html)
+
+
+def _templates(env: Environment, name: str) -> tuple[Template, Template | None, Template | None]:
+    """The subject, text and html templates of ``name`` (compiled once, then cached by Jinja2).
+
+    PermanentError when they cannot make a mail: no subject template, neither
+    body, or a template that does not compile.
+    """
+    from jinja2 import TemplateError, TemplateNotFound
+
+    found: dict[str, Template | None] = {}
+    try:
+        for suffix in ("subject.txt", "txt", "html"):
+            try:
+                found[suffix] = env.get_template(f"{name}.{suffix}")
+            except TemplateNotFound as exc:
+                if exc.name != f"{name}.{suffix}":
+                    raise
+                found[suffix] = None
+    except TemplateError as exc:
+        raise PermanentError(
+            f"template {name} failed: {type(exc).__name__}: {exc}",
+            detail={"reason": "template_error", "template": name},
+        ) from None
+    subject = found["subject.txt"]
+    if subject is None:
+        raise PermanentError(
+            f"template {name}.subject.txt not found (a template needs a subject)",
+            detail={"reason": "template_not_found", "template": f"{name}.subject.txt"},
+        )
+    if found["txt"] is None and found["html"] is None:
+        raise PermanentError(
+            f"template {name} has neither {name}.txt nor {name}.html",
+            detail={"reason": "template_not_found", "template": name},
+        )
+    return subject, found["txt"], found["html"]
 
 
 def _secret_forms(username: str | None, password: str | None) -> tuple[str, ...]:

@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from outbox import ConfigurationError, Message, PermanentError, RetryLater
+from outbox import ConfigurationError, Message, PayloadError, PermanentError, RetryLater
 from outbox import __version__ as _outbox_version
 from outbox._redact import _SECRET_KEY
 
@@ -132,6 +132,11 @@ def _parse_target(url: object) -> _Target:
     shown = f"[{host}]" if literal is not None and literal.version == 6 else host
     authority = shown if parsed.port is None else f"{shown}:{parsed.port}"
     return _Target(url=parsed, host=host, authority=authority)
+
+
+def _payload_target(payload: Any) -> _Target:
+    """The destination a payload names in ``url`` (handlers with ``url=None``), or ValueError."""
+    return _parse_target(payload.get("url") if isinstance(payload, Mapping) else None)
 
 
 def _number(what: str, value: object, *, minimum: float = 0.0) -> float:
@@ -338,6 +343,25 @@ class WebhookHandler:
         if pool is not None:
             await pool.aclose()
 
+    # -- emit-time check -----------------------------------------------------------------
+
+    def outbox_validate(self, payload: Any) -> None:
+        """Refuse at emit, with ``PayloadError``, a payload URL delivery would refuse.
+
+        ``emit()`` calls it with the route's payload. With a fixed ``url`` there
+        is nothing to check beyond JSON. With ``url=None`` the payload's URL gets
+        the checks that need no network: its form, and the SSRF policy for an IP
+        literal or a ``localhost`` name. Other host names are resolved and
+        checked at delivery only; DNS at emit would slow the request and prove
+        nothing about the answer at delivery time.
+        """
+        if self._target is not None:
+            return
+        try:
+            self.policy.precheck(_payload_target(payload).host)
+        except (ValueError, BlockedAddress) as exc:
+            raise PayloadError(f"payload['url']: {exc}") from None
+
     # -- delivery -----------------------------------------------------------------------
 
     async def __call__(self, message: Message) -> dict[str, Any]:
@@ -380,9 +404,8 @@ class WebhookHandler:
     def _destination(self, message: Message) -> _Target:
         if self._target is not None:
             return self._target
-        payload = message.payload if isinstance(message.payload, Mapping) else {}
         try:
-            return _parse_target(payload.get("url"))
+            return _payload_target(message.payload)
         except ValueError as exc:
             raise PermanentError(f"payload['url']: {exc}", detail={"reason": "bad_url"}) from None
 

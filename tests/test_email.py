@@ -23,11 +23,22 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 from tlscert import self_signed
+from unchecked import store_unchecked
 
 import outbox
-from outbox import Backoff, ConfigurationError, Message, Outbox, PermanentError, RetryLater, emit
+from outbox import (
+    Backoff,
+    ConfigurationError,
+    Message,
+    Outbox,
+    PayloadError,
+    PermanentError,
+    RetryLater,
+    emit,
+)
 from outbox.integrations.email import EmailHandler, RateLimiter, SentLog, outbox_email_sent
 from outbox.relay import Relay
+from outbox.testing import messages
 
 m, a = outbox.outbox_message, outbox.outbox_attempt
 PASSWORD = "s3cr3t-smtp-pass-do-not-log"
@@ -499,9 +510,13 @@ def test_sent_log_create_table_and_purge(tmp_path):
         {"to": [], "subject": "S", "text": "t"},
     ],
 )
-def test_header_injection_and_bad_addresses_are_dead_not_sent(engine, smtp, payload):
+def test_header_injection_and_bad_addresses_are_refused_at_emit_and_dead_not_sent(engine, smtp, payload):
     ob, factory = setup(engine, smtp.port)
-    send(ob, factory, payload)
+    refused = r"^route 'mailer' refuses this 'mail' payload: payload '(to|subject)'"
+    with pytest.raises(PayloadError, match=refused):
+        send(ob, factory, payload)
+    assert outcomes(engine) == [] and not messages(engine)
+    store_unchecked(engine, "mail", payload, "mailer")  # stored before the check existed, say
     drain_all(ob, engine)
     assert smtp.script.received == []
     [(outcome, detail)] = outcomes(engine)

@@ -9,6 +9,7 @@ event is stored then, on any route, and the transaction carries on.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from datetime import date
@@ -21,9 +22,14 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
+from test_email import SENDER, Smtp, parts_of, start_server
+from test_webhook import LOCAL, SECRET, Receiver, serve
 
 import outbox
 from outbox import ConfigurationError, Message, Outbox, PayloadError, Route, emit
+from outbox.integrations.email import EmailHandler, SentLog
+from outbox.integrations.webhook import WebhookHandler
+from outbox.relay import Relay
 
 m = outbox.outbox_message
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -299,3 +305,164 @@ def test_the_pipelined_commit_writes_each_routes_payload(pg_engine):
         ob.uninstall(factory)
     assert seen == []  # the INSERT rode with the COMMIT, out of SQLAlchemy's sight
     assert stored(pg_engine) == [("audit", PAID), ("partner", public(PAID))]
+
+
+# -- the handlers: email and webhook routes of one event, delivered for real ------------------------------
+
+
+@pytest.fixture
+def smtp(request: pytest.FixtureRequest) -> Smtp:
+    return start_server(request)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    yield from serve(Receiver())
+
+
+def shop(
+    engine: Engine, smtp_port: int, hook_url: str | None, **webhook: Any
+) -> tuple[Outbox, sessionmaker[Session]]:
+    ob = Outbox()
+    ob.route(
+        "order.paid",
+        EmailHandler("127.0.0.1", smtp_port, sender=SENDER, sent_log=SentLog(engine)),
+        name="receipt_email",
+        transform=receipt,
+    )
+    ob.route(
+        "order.paid",
+        WebhookHandler(hook_url, SECRET, allowed_networks=LOCAL, **webhook),
+        name="partner_webhook",
+        transform=public if hook_url is not None else lambda p: {"url": p["hook"], **public(p)},
+    )
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    return ob, factory
+
+
+def test_one_event_feeds_an_email_and_a_webhook_each_with_its_own_payload(engine, smtp, receiver):
+    ob, factory = shop(engine, smtp.port, receiver.url())
+    with factory.begin() as s:
+        emit(s, "order.paid", PAID, key="paid:7")
+    assert stored(engine) == [("receipt_email", receipt(PAID)), ("partner_webhook", public(PAID))]
+
+    result = Relay(ob, engine).run_until_idle()
+    assert result.delivered == 2
+    [mail] = smtp.script.received
+    assert mail.rcpt_tos == ["ada@example.com"]
+    assert mail.mail["Subject"] == "Receipt for order 7"
+    assert parts_of(mail.mail) == {"text/plain": "You paid 19.90."}
+    [request] = receiver.requests
+    assert json.loads(request.body) == {"order_id": 7, "total": "19.90"}  # no email, no card
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        ({"email": None}, "payload 'to' must be an address or a list"),
+        ({"email": "ada@example.com, bob@example.com"}, "payload 'to': invalid address"),
+        ({"email": "ada@example.com\r\nBcc: eve@example.com"}, "header injection refused"),
+    ],
+)
+def test_a_mail_without_a_usable_to_is_refused_at_emit_naming_the_route(
+    engine, smtp, receiver, payload, problem
+):
+    ob, factory = shop(engine, smtp.port, receiver.url())
+    with factory.begin() as s:
+        with pytest.raises(PayloadError) as refused:
+            emit(s, "order.paid", {**PAID, **payload})
+        emit(s, "order.paid", PAID)  # caught: the transaction goes on and commits
+    assert str(refused.value).startswith("route 'receipt_email' refuses this 'order.paid' payload: ")
+    assert problem in str(refused.value)
+    assert [h for h, _ in stored(engine)] == ["receipt_email", "partner_webhook"]
+
+
+def test_email_validation_checks_subject_body_and_templates_as_delivery_would(tmp_path):
+    import jinja2
+
+    plain = EmailHandler(sender=SENDER, sent_log=False)
+    templated = EmailHandler(
+        sender=SENDER,
+        sent_log=False,
+        templates=jinja2.DictLoader(
+            {
+                "ok.subject.txt": "Hi",
+                "ok.txt": "t",
+                "subject_only.subject.txt": "x",
+                "broken.subject.txt": "{% if %}",
+                "broken.txt": "t",
+            }
+        ),
+    )
+    to = {"to": ["ada@example.com", "Bob <bob@example.com>"]}
+    plain.outbox_validate({**to, "subject": "S", "text": "t"})
+    plain.outbox_validate({**to, "subject": "S", "html": "<p>h</p>"})
+    templated.outbox_validate({**to, "template": "ok", "context": {"name": "Ada"}})
+    for handler, payload, problem in [
+        (plain, {**to, "text": "t"}, "payload needs 'subject'"),
+        (plain, {**to, "subject": "S"}, "payload needs 'text' and/or 'html' strings"),
+        (plain, {**to, "subject": "S", "text": 3}, "payload needs 'text' and/or 'html' strings"),
+        (plain, {**to, "subject": "S\nBcc: x@example.com", "text": "t"}, "header injection refused"),
+        (plain, {**to, "template": "ok"}, "no templates="),
+        (templated, {**to, "template": "ok", "subject": "S"}, "both 'template' and"),
+        (templated, {**to, "template": "../ok"}, "invalid template name"),
+        (templated, {**to, "template": "ok", "context": []}, "'context' must be an object"),
+        (templated, {**to, "template": "absent"}, "absent.subject.txt not found"),
+        (templated, {**to, "template": "subject_only"}, "neither subject_only.txt nor"),
+        (templated, {**to, "template": "broken"}, "template broken failed: TemplateSyntaxError"),
+        (plain, {"to": [], "subject": "S", "text": "t"}, "payload 'to' must be"),
+    ]:
+        with pytest.raises(PayloadError, match=re.escape(problem)):
+            handler.outbox_validate(payload)
+
+
+def test_a_payload_url_outside_the_webhook_policy_is_refused_at_emit_without_dns(
+    engine, smtp, receiver, monkeypatch
+):
+    ob, factory = shop(engine, smtp.port, None)
+
+    def no_dns(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("emit must not resolve host names")
+
+    monkeypatch.setattr("socket.getaddrinfo", no_dns)
+    monkeypatch.setattr("asyncio.base_events.BaseEventLoop.getaddrinfo", no_dns)
+    refusals = {
+        "http://169.254.169.254/latest/meta-data/": "link-local address (SSRF guard)",
+        "http://10.0.0.7/hooks": "private address (SSRF guard)",
+        "http://[::1]:9/hooks": "loopback address (SSRF guard)",  # 127.0.0.0/8 is allowed, ::1 is not
+        "ftp://partner.example/hooks": "webhook URLs must be http or https",
+        "https://user:pw@partner.example/hooks": "must not carry credentials",
+    }
+    with factory.begin() as s:
+        for url, problem in refusals.items():
+            with pytest.raises(PayloadError) as refused:
+                emit(s, "order.paid", {**PAID, "hook": url})
+            assert str(refused.value).startswith(
+                "route 'partner_webhook' refuses this 'order.paid' payload: "
+            )
+            assert problem in str(refused.value)
+        # A name is judged on its addresses at delivery, never here; an allowed literal passes.
+        emit(s, "order.paid", {**PAID, "hook": "https://partner.example/hooks"})
+        emit(s, "order.paid", {**PAID, "hook": receiver.url()})
+    assert len(stored(engine)) == 4
+
+
+def test_localhost_is_judged_as_loopback_at_emit():
+    guarded = WebhookHandler(secret=SECRET)
+    for url in ("http://localhost/h", "http://LOCALHOST./h", "http://api.localhost:8080/h"):
+        with pytest.raises(PayloadError, match="loopback address"):
+            guarded.outbox_validate({"url": url})
+    WebhookHandler(secret=SECRET, allowed_networks=LOCAL).outbox_validate({"url": "http://localhost/h"})
+    # With a fixed URL the payload is only a body: nothing in it is a destination.
+    WebhookHandler("https://partner.example/hooks", SECRET).outbox_validate({"url": "http://10.0.0.1/"})
+
+
+def test_a_payload_url_route_delivers_to_the_url_its_transform_chose(engine, smtp, receiver):
+    ob, factory = shop(engine, smtp.port, None)
+    with factory.begin() as s:
+        emit(s, "order.paid", {**PAID, "hook": receiver.url("/partner/7")})
+    assert Relay(ob, engine).run_until_idle().delivered == 2
+    [request] = receiver.requests
+    assert request.path == "/partner/7"
+    assert json.loads(request.body) == {"url": receiver.url("/partner/7"), **public(PAID)}
