@@ -17,6 +17,9 @@ A payload names ``to`` (an address or a list) and either ``subject`` with
 ``text`` and/or ``html``, or ``template`` with ``context``: the templates
 ``<name>.subject.txt`` (required), ``<name>.txt`` and/or ``<name>.html``,
 rendered by a sandboxed Jinja2 environment that autoescapes ``.html`` only.
+``emit()`` checks that shape through :meth:`EmailHandler.outbox_validate`, so a
+payload the handler could not send is refused in the request; a route's
+``transform=`` can build it from an event payload of another shape.
 
 Exactly-once effect: the ``Message-ID`` derives from the message's key (or its
 event id) and route, and the sent-log (``outbox_email_sent``) records it right

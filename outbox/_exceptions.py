@@ -7,7 +7,8 @@ The tree, so ``except`` clauses can be as wide or as narrow as a caller needs::
     │   └── NotInstalled            emit() on a session whose factory no Outbox was installed on
     ├── EmitError                   emit() refused the event; the caller's transaction is untouched
     │   ├── UnroutedEvent           no route subscribes to the event type
-    │   ├── PayloadError            payload not JSON-serialisable, not an object, or too large
+    │   ├── PayloadError            payload not JSON-serialisable, not an object, too large, or a route's
+    │   │                           transform or handler refused it
     │   └── InvalidEmitOption       a bad option: negative delay, empty key, bad headers, ...
     ├── RetryLater                  raised by a handler: transient, try again (optionally after `delay`)
     └── PermanentError              raised by a handler: will never succeed, mark the message dead
@@ -64,7 +65,12 @@ class UnroutedEvent(EmitError):
 
 
 class PayloadError(EmitError):
-    """The payload cannot be stored: not a JSON object, not serialisable, or over the limit."""
+    """The payload cannot be stored: not a JSON object, not serialisable, or over the limit.
+
+    Also raised when a route's ``transform`` fails or returns such a payload, or
+    its handler's ``outbox_validate`` refuses the route's payload; the message
+    then names the route, and the original error is the ``__cause__``.
+    """
 
 
 class InvalidEmitOption(EmitError, ValueError):

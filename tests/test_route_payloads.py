@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
@@ -466,3 +468,24 @@ def test_a_payload_url_route_delivers_to_the_url_its_transform_chose(engine, smt
     [request] = receiver.requests
     assert request.path == "/partner/7"
     assert json.loads(request.body) == {"url": receiver.url("/partner/7"), **public(PAID)}
+
+
+# -- the guides' examples run as written ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("guide", "script"),
+    [("emitting.md", "shaping.py"), ("email.md", "email_routes.py"), ("webhooks.md", "webhook_routes.py")],
+)
+def test_the_guides_route_shaping_examples_print_what_they_show(tmp_path, guide, script):
+    found = re.findall(
+        rf"```python\n(# {re.escape(script)}\n.*?)```\n\n```console\n\$ python {re.escape(script)}\n(.*?)```",
+        (DOCS / guide).read_text(),
+        re.S,
+    )
+    assert len(found) == 1, f"{guide} should hold one example '# {script}' followed by its output"
+    code, output = found[0]
+    (tmp_path / script).write_text(code)
+    run = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == output.splitlines()
