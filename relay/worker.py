@@ -509,6 +509,14 @@ class Relay:
                 )
             except asyncio.CancelledError:
                 message, completion = self._cancelled(row)
+            except Exception as exc:  # a relay bug must not leave a started attempt without its outcome
+                log.error(
+                    "attempt of message #%d could not be classified",
+                    row.id,
+                    exc_info=True,
+                    extra={"action": "relay_error", "message_id": row.id, "handler": row.handler},
+                )
+                message, completion = self._cancelled(row, exc)
             self._buffer.append((message, completion))
             self._buffered.set()
         finally:
@@ -517,14 +525,28 @@ class Relay:
             if self._saturated:
                 self._wake.set()
 
-    def _cancelled(self, row: Any) -> tuple[Message, Completion]:
-        """A delivery cut off by a forced stop: it counts, like any attempt that may have taken effect.
+    def _cancelled(self, row: Any, error: Exception | None = None) -> tuple[Message, Completion]:
+        """A delivery cut off by a forced stop (or a relay error): it counts, like any attempt that may
+        have taken effect.
 
         On its last attempt the message goes dead, as a lease recovery would make it.
         """
         from .dispatch import to_message
 
         now = utcnow()
+        if error is not None:
+            last = row.attempts >= row.max_attempts
+            return to_message(row), Completion(
+                message_id=row.id,
+                attempt=row.attempts,
+                outcome="dead" if last else "failed",
+                status="dead" if last else "pending",
+                started_at=now,
+                finished_at=now,
+                error_type="RelayError",
+                error=f"the relay failed while running this attempt ({type(error).__name__})",
+                detail={"exhausted": True, "last_outcome": "failed"} if last else None,
+            )
         last = row.attempts >= row.max_attempts
         return to_message(row), Completion(
             message_id=row.id,
