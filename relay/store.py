@@ -38,6 +38,8 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message
@@ -352,10 +354,22 @@ class Store:
                     }
                 )
             if history:
-                conn.execute(insert(a), history)
+                conn.execute(self._history_insert(), history)
         return recovered
 
     # -- outcomes -----------------------------------------------------------------
+
+    def _history_insert(self) -> Any:
+        """History rows, each written once: a batch sent again after a lost reply appends nothing.
+
+        The unique index ``ux_outbox_attempt_once`` (message, attempt, outcome and the
+        relay's own start stamp) is what a re-sent row collides with.
+        """
+        if self.engine.dialect.name == "postgresql":
+            return pg_insert(a).on_conflict_do_nothing()
+        if self.engine.dialect.name == "sqlite":
+            return sqlite_insert(a).on_conflict_do_nothing()
+        return insert(a)
 
     def complete(self, results: Sequence[Completion]) -> None:
         """Write a batch of attempt outcomes: message rows updated, history appended, one transaction.
@@ -431,7 +445,7 @@ class Store:
                     dead,
                 )
             conn.execute(
-                insert(a),
+                self._history_insert(),
                 [
                     {
                         "message_id": r.message_id,

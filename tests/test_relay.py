@@ -785,3 +785,45 @@ def test_an_interrupted_drain_hands_back_claims_whose_delivery_never_began(engin
         rows = conn.execute(select(m.c.status, m.c.attempts, m.c.locked_by)).all()
     assert rows == [("pending", 0, None)] * 3, "handed back untouched: no attempt used"
     assert history(engine) == []
+
+
+# -- the delivery promise against misbehaving receivers and lost replies ---------------------------------
+
+@pytest.mark.parametrize("path", ["store", "loop_connection"])
+def test_an_outcome_batch_written_twice_leaves_one_history_row_per_attempt(engine, ob, maker, path):
+    """A batch whose COMMIT succeeded but whose reply was lost is sent again by the writer."""
+    from outbox.relay.db import LoopConnection
+    from outbox.relay.store import Completion, utcnow
+
+    if path == "loop_connection" and engine.dialect.name != "postgresql":
+        pytest.skip("the relay's own connection is PostgreSQL with psycopg only")
+    ob.route("e", lambda msg: None, name="r")
+    emit_many(maker, "e", [{"n": 1}, {"n": 2}])
+    relay = Relay(ob, engine, relay_id="writer")
+    rows = relay.store.claim("default", ["r"], 10)
+    now = utcnow()
+    batch = [
+        Completion(r.id, r.attempts, "delivered", "delivered", started_at=now, finished_at=now) for r in rows
+    ]
+    batch[1] = Completion(
+        rows[1].id, rows[1].attempts, "failed", "pending", now, now, retry_in=60.0, error="boom"
+    )
+    if path == "store":
+        relay.store.complete(batch)
+        relay.store.complete(batch)
+    else:
+
+        async def twice() -> None:
+            conn = LoopConnection(engine, "test write")
+            try:
+                await relay.store.complete_on(conn, batch)
+                await relay.store.complete_on(conn, batch)
+            finally:
+                await conn.close()
+
+        asyncio.run(twice())
+    assert sorted((h.message_id, h.attempt, h.outcome) for h in history(engine)) == sorted(
+        [(rows[0].id, 1, "delivered"), (rows[1].id, 1, "failed")]
+    )
+    assert sorted(statuses(engine).values()) == ["delivered", "pending"]
+
