@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import outbox
 from outbox import Backoff, ConfigurationError, Outbox, PermanentError, RetryLater, emit, signals
 from outbox.relay import Relay
+from outbox.relay.claimer import Claimer
 
 m = outbox.outbox_message
 a = outbox.outbox_attempt
@@ -337,7 +338,7 @@ def test_long_handler_keeps_its_lease(engine, ob, maker):
     assert [(h.outcome, h.relay_id) for h in history(engine)] == [("delivered", "live")]
 
 
-def test_stop_releases_unstarted_claims_without_counting_an_attempt(engine, ob, maker):
+def test_stop_releases_unstarted_claims_without_counting_an_attempt(engine, ob, maker, monkeypatch):
     started = threading.Event()
 
     @ob.handler("e", name="r", timeout=10)
@@ -347,14 +348,14 @@ def test_stop_releases_unstarted_claims_without_counting_an_attempt(engine, ob, 
 
     emit_many(maker, "e", [{"n": i} for i in range(3)])
     relay = Relay(ob, engine, concurrency=3, poll_interval=0.05, grace_period=5)
-    original = relay._deliver
+    original = Claimer._deliver
 
-    async def slow_start(queue, row):  # only the first message starts before the stop
+    async def slow_start(self, queue, row):  # only the first message starts before the stop
         if row.payload["n"] != 0:
             await asyncio.sleep(0.1)
-        await original(queue, row)
+        await original(self, queue, row)
 
-    relay._deliver = slow_start  # type: ignore[method-assign]
+    monkeypatch.setattr(Claimer, "_deliver", slow_start)
     thread = threading.Thread(target=relay.run)
     thread.start()
     assert started.wait(5)
