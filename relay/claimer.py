@@ -18,6 +18,7 @@ from typing import Any
 
 from outbox import Message, signals
 
+from .announce import send
 from .db import LoopConnection
 from .dispatch import attempt, to_message
 from .runtime import Runtime, log
@@ -139,9 +140,12 @@ class Claimer:
             queue,
             extra={"action": "claim", "queue": queue, "count": len(rows)},
         )
-        if signals.message_claimed.receivers:
-            signals.message_claimed.send(
-                self._rt.outbox, relay=self._rt.relay, messages=[to_message(r) for r in rows]
+        if signals.message_claimed.receivers:  # no Message objects to build when nobody listens
+            send(
+                signals.message_claimed,
+                self._rt.outbox,
+                relay=self._rt.relay,
+                messages=[to_message(r) for r in rows],
             )
         for row in rows:
             self._by_queue[queue] += 1

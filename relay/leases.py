@@ -19,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox import signals
 
+from .announce import send
 from .dispatch import to_message
 from .runtime import Runtime, first_line, log
 
@@ -81,9 +82,10 @@ class LeaseKeeper:
                 rt.metrics.deliveries.labels(row.handler, "lease_expired").inc()
             message = to_message(row)
             if item.dead:
-                signals.message_dead.send(rt.outbox, relay=rt.relay, message=message, error=item.reason)
+                send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=item.reason)
             else:
-                signals.retry_scheduled.send(
+                send(
+                    signals.retry_scheduled,
                     rt.outbox,
                     relay=rt.relay,
                     message=message,

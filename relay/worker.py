@@ -44,6 +44,7 @@ from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, sign
 from outbox._redact import Redactor
 from outbox._routes import check_name
 
+from .announce import send
 from .claimer import Claimer
 from .db import Listener, make_engine, supports_listen
 from .dispatch import secrets_of
@@ -331,7 +332,7 @@ class Relay:
                 self.listen,
                 extra={"action": "start", "relay_id": self.id},
             )
-            signals.relay_started.send(self.outbox, relay=self)
+            send(signals.relay_started, self.outbox, relay=self)
             started = True
             await self._serve_loop(rt)
             await self._shutdown.graceful(self._background)
@@ -348,7 +349,7 @@ class Relay:
             await self._close(rt)
             if started:  # also when serving failed: whoever saw it start must see it stop
                 log.info("relay %s stopped", self.id, extra={"action": "stopped", "relay_id": self.id})
-                signals.relay_stopped.send(self.outbox, relay=self)
+                send(signals.relay_stopped, self.outbox, relay=self)
 
     async def _serve_loop(self, rt: Runtime) -> None:
         failures = 0

@@ -23,6 +23,7 @@ from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlche
 
 from outbox import Message, signals
 
+from .announce import send
 from .db import LoopConnection
 from .runtime import Runtime, backoff_delay, first_line, log
 from .store import Completion
@@ -190,7 +191,7 @@ class OutcomeWriter:
                 duration * 1000,
                 extra={"action": "deliver", **extra},
             )
-            signals.message_delivered.send(rt.outbox, relay=rt.relay, message=message, duration=duration)
+            send(signals.message_delivered, rt.outbox, relay=rt.relay, message=message, duration=duration)
         elif completion.status == "pending":
             rt.result.retried += 1
             log.warning(
@@ -203,7 +204,8 @@ class OutcomeWriter:
                 completion.retry_in,
                 extra={"action": "retry", **extra},
             )
-            signals.retry_scheduled.send(
+            send(
+                signals.retry_scheduled,
                 rt.outbox,
                 relay=rt.relay,
                 message=message,
@@ -224,4 +226,4 @@ class OutcomeWriter:
                 completion.error,
                 extra={"action": "dead", **extra},
             )
-            signals.message_dead.send(rt.outbox, relay=rt.relay, message=message, error=completion.error)
+            send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=completion.error)

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -473,19 +473,19 @@ def test_relay_stopped_is_sent_when_serving_fails_after_it_started(engine, ob, m
     def on_stopped(sender, relay):
         got.append("stopped")
 
-    def broken_receiver(sender, relay, messages):
-        raise RuntimeError("a receiver bug")
+    def interrupt(sender, relay, messages):  # Ctrl-C while serving: receivers' own bugs are contained
+        raise KeyboardInterrupt
 
     signals.relay_started.connect(on_started, sender=ob)
     signals.relay_stopped.connect(on_stopped, sender=ob)
-    signals.message_claimed.connect(broken_receiver, sender=ob)
+    signals.message_claimed.connect(interrupt, sender=ob)
     try:
-        with pytest.raises(RuntimeError, match="a receiver bug"):
+        with pytest.raises(KeyboardInterrupt):
             Relay(ob, engine, poll_interval=600, listen=False).run()
     finally:
         signals.relay_started.disconnect(on_started, sender=ob)
         signals.relay_stopped.disconnect(on_stopped, sender=ob)
-        signals.message_claimed.disconnect(broken_receiver, sender=ob)
+        signals.message_claimed.disconnect(interrupt, sender=ob)
     assert got == ["started", "stopped"], "whoever saw the relay start must see it stop"
 
 
@@ -828,3 +828,87 @@ def test_an_outcome_batch_written_twice_leaves_one_history_row_per_attempt(engin
     )
     assert sorted(statuses(engine).values()) == ["delivered", "pending"]
 
+
+def _expire(engine: Engine, message_id: int, relay_id: str = "ghost") -> None:
+    """Leave a message the way a relay killed mid-delivery leaves it: running, attempt charged, lease over."""
+    with engine.begin() as conn:
+        conn.execute(
+            m.update()
+            .where(m.c.id == message_id)
+            .values(
+                status="running",
+                attempts=m.c.attempts + 1,
+                locked_by=relay_id,
+                locked_until=datetime.now(UTC) - timedelta(minutes=1),
+            )
+        )
+
+
+def _signal_errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "action", None) == "signal_error"]
+
+
+def test_a_raising_retry_scheduled_receiver_does_not_stop_lease_recovery(engine, ob, maker, caplog):
+    caplog.set_level(logging.ERROR, logger="outbox.relay")
+    ob.route("e", lambda msg: None, name="r")
+    emit_many(maker, "e", [{"n": 1}, {"n": 2}], delay=3600)  # not due: only a recovery moves them
+    with engine.connect() as conn:
+        first, second = conn.execute(select(m.c.id).order_by(m.c.id)).scalars()
+
+    def broken_receiver(sender, **kwargs):
+        raise RuntimeError("a receiver bug")
+
+    def recovered(message_id: int) -> bool:
+        return any(h.outcome == "lease_expired" and h.message_id == message_id for h in history(engine))
+
+    signals.retry_scheduled.connect(broken_receiver, sender=ob)
+    relay = Relay(ob, engine, lease=0.2, poll_interval=0.05, listen=False)
+    thread = threading.Thread(target=relay.run)
+    try:
+        _expire(engine, first)
+        thread.start()
+        wait_until(lambda: recovered(first), "the first expired lease recovered")
+        _expire(engine, second)  # after the receiver raised: the recoverer must still be there
+        wait_until(lambda: recovered(second), "the second expired lease recovered", timeout=10)
+    finally:
+        relay.stop()
+        thread.join(10)
+        signals.retry_scheduled.disconnect(broken_receiver, sender=ob)
+    errors = _signal_errors(caplog)
+    assert errors and all("broken_receiver" in r.getMessage() for r in errors)
+    assert {r.signal for r in errors} == {"retry_scheduled"}  # type: ignore[attr-defined]
+
+
+def test_a_raising_message_claimed_receiver_neither_stops_the_relay_nor_strands_the_claim(
+    engine, ob, maker, caplog
+):
+    caplog.set_level(logging.ERROR, logger="outbox.relay")
+    delivered: list[int] = []
+    ob.route("e", lambda msg: delivered.append(msg.payload["n"]), name="r")
+
+    def broken_receiver(sender, **kwargs):
+        raise RuntimeError("a receiver bug")
+
+    signals.message_claimed.connect(broken_receiver, sender=ob)
+    relay = Relay(ob, engine, poll_interval=0.05, listen=False)
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            relay.run()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        emit_many(maker, "e", [{"n": 1}, {"n": 2}])
+        wait_until(lambda: sorted(delivered) == [1, 2] or failed, "both messages delivered")
+    finally:
+        relay.stop()
+        thread.join(10)
+        signals.message_claimed.disconnect(broken_receiver, sender=ob)
+    assert failed == [] and sorted(delivered) == [1, 2]
+    assert set(statuses(engine).values()) == {"delivered"}
+    assert [h.outcome for h in history(engine)] == ["delivered", "delivered"]
+    assert _signal_errors(caplog)
