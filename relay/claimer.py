@@ -49,8 +49,10 @@ class Claimer:
         # Keyed by (id, attempt): a message this relay lost and claimed again runs twice for a while.
         self.inflight: dict[tuple[int, int], asyncio.Task[None]] = {}
         self._by_queue: Counter[str] = Counter()
-        #: claimed, then found the relay stopping before it started: to be released
-        self.unstarted: list[int] = []
+        # Claims this process made whose attempt has not begun, as (id, attempt): the only
+        # claims it may ever hand back uncharged. A row another process left running (even
+        # one with the same relay id) is never among them; it leaves through lease expiry.
+        self._unstarted: dict[tuple[int, int], None] = {}
         self._saturated = False
         self._known_queues: set[str] = {r.queue for r in rt.routes.values()}
         self._next_discovery = 0.0
@@ -67,7 +69,15 @@ class Claimer:
 
     def held_ids(self) -> list[int]:
         """Messages this relay works on (or must still release): their leases must be renewed."""
-        return [*(message_id for message_id, _ in self.inflight), *self.unstarted]
+        return [*(message_id for message_id, _ in self.inflight), *(i for i, _ in self._unstarted)]
+
+    def unstarted(self) -> list[tuple[int, int]]:
+        """Claims whose attempt never began, as (id, attempt): to be released, uncharged."""
+        return list(self._unstarted)
+
+    def released(self, claims: list[tuple[int, int]]) -> None:
+        for claim in claims:
+            self._unstarted.pop(claim, None)
 
     def learn_queues(self, queues: tuple[str, ...]) -> None:
         self._known_queues.update(queues)
@@ -140,6 +150,8 @@ class Claimer:
             queue,
             extra={"action": "claim", "queue": queue, "count": len(rows)},
         )
+        for row in rows:  # before anything else can fail or be interrupted
+            self._unstarted[row.id, row.attempts] = None
         if signals.message_claimed.receivers:  # no Message objects to build when nobody listens
             send(
                 signals.message_claimed,
@@ -158,8 +170,8 @@ class Claimer:
         rt = self._rt
         try:
             if rt.stopping:
-                self.unstarted.append(row.id)
-                return
+                return  # stays unstarted: the shutdown releases it
+            self._unstarted.pop((row.id, row.attempts), None)
             route = rt.routes[row.handler]
             try:
                 message, completion = await attempt(

@@ -69,17 +69,17 @@ class Shutdown:
 
     async def _release_unstarted(self, *, raise_errors: bool = True) -> None:
         """Hand back claimed messages whose delivery never began: no attempt, no history."""
-        claimer = self._claimer
-        if not claimer.unstarted:
+        claims = self._claimer.unstarted()
+        if not claims:
             return
         try:
-            released = await self._rt.db(self._rt.store.release, claimer.unstarted)
+            released = await self._rt.db(self._rt.store.release, claims)
         except SQLAlchemyError:
             if raise_errors:
                 raise
-            return  # kept in unstarted (their leases renewed) for the final writes to retry
+            return  # kept as unstarted (their leases renewed) for the final writes to retry
         log.info("released %d unstarted message(s)", released, extra={"action": "release"})
-        claimer.unstarted = []
+        self._claimer.released(claims)
 
     async def _final_writes(self) -> None:
         deadline = time.monotonic() + max(5.0, min(self._grace_period, 30.0))
@@ -93,7 +93,7 @@ class Shutdown:
                     log.error(
                         "giving up recording %d outcome(s) at shutdown (%s); their leases will expire "
                         "and they will be delivered again",
-                        len(self._writer) + len(self._claimer.unstarted),
+                        len(self._writer) + len(self._claimer.unstarted()),
                         first_line(exc),
                         extra={"action": "db_error", "relay_id": self._rt.id},
                     )
@@ -101,24 +101,23 @@ class Shutdown:
                 await asyncio.sleep(0.5)
 
     async def after_interrupted_drain(self) -> None:
-        """After an interrupted drain: record cancelled attempts, hand back whatever never started.
+        """After a drain (interrupted or not): record cancelled attempts, hand back what never started.
 
-        Every delivery that began has an outcome by now (cancelled ones too), so
-        once those are written, any row still running under this relay's id was
-        claimed but never started (the interrupt came mid-claim, or before its
-        task ran): it goes back untouched. One try only: if the database is what
-        failed, the leases expire and the messages are recovered as usual.
+        Every delivery that began has an outcome by now (cancelled ones too).
+        What this drain claimed and never started (the interrupt came before its
+        task ran) goes back untouched. Nothing else does: a row still running
+        under this relay's id may be an attempt an earlier process made before
+        it crashed, and refunding it would erase that attempt; it leaves through
+        lease expiry, charged and recorded. One try only: if the database is
+        what failed, the leases expire and the messages are recovered as usual.
         """
-        self._claimer.unstarted = []
         try:
             await self._writer.write_pending()
-            released = await self._rt.db(self._rt.store.release, None)
-            if released:
-                log.info("released %d unstarted message(s)", released, extra={"action": "release"})
+            await self._release_unstarted()
         except Exception as exc:
             log.warning(
                 "could not record %d outcome(s) of the interrupted drain (%s); their leases will expire",
-                len(self._writer) + len(self._claimer.unstarted),
+                len(self._writer) + len(self._claimer.unstarted()),
                 first_line(exc),
                 extra={"action": "db_error", "relay_id": self._rt.id},
             )

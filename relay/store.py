@@ -36,6 +36,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -259,20 +260,25 @@ class Store:
         with self.engine.begin() as conn:
             return conn.execute(stmt, {"lease": self._bind_later(self.lease)}).rowcount
 
-    def release(self, ids: Iterable[int] | None) -> int:
-        """Hand back claimed messages that never started: not an attempt, so the count is restored.
+    def release(self, claims: Iterable[tuple[int, int]]) -> int:
+        """Hand back claims whose attempt never started: not an attempt, so the count is restored.
 
-        ``None`` releases every message still running under this relay's id.
+        Each claim is named by (id, attempt), as this relay claimed it: the
+        attempt number changes with every claim of a row, so a release can
+        only ever undo the claim it names, never a claim of the same row that
+        another process made under the same relay id (a crashed earlier run,
+        say), whose attempt must stay counted.
         """
-        mine = [m.c.locked_by == self.relay_id, m.c.status == "running"]
-        if ids is not None:
-            ids = list(ids)
-            if not ids:
-                return 0
-            mine.append(m.c.id.in_(ids))
+        claims = list(claims)
+        if not claims:
+            return 0
         stmt = (
             update(m)
-            .where(*mine)
+            .where(
+                m.c.locked_by == self.relay_id,
+                m.c.status == "running",
+                tuple_(m.c.id, m.c.attempts).in_(claims),
+            )
             .values(
                 status="pending",
                 locked_by=None,

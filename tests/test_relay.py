@@ -912,3 +912,23 @@ def test_a_raising_message_claimed_receiver_neither_stops_the_relay_nor_strands_
     assert set(statuses(engine).values()) == {"delivered"}
     assert [h.outcome for h in history(engine)] == ["delivered", "delivered"]
     assert _signal_errors(caplog)
+
+
+def test_a_drain_never_refunds_an_attempt_an_earlier_process_with_the_same_relay_id_made(engine, ob, maker):
+    """A stable relay id across runs: the earlier run's claim leaves through lease expiry, charged."""
+    ob.route("e", lambda msg: None, name="r")
+    emit_many(maker, "e", [{"n": 1}])
+    earlier = Relay(ob, engine, relay_id="stable", lease=2)
+    assert len(earlier.store.claim("default", ["r"], 10)) == 1  # then that process dies mid-delivery
+
+    result = Relay(ob, engine, relay_id="stable").run_until_idle()
+    assert result.attempts == 0
+    with engine.connect() as conn:
+        assert conn.execute(select(m.c.status, m.c.attempts, m.c.locked_by)).one() == ("running", 1, "stable")
+    assert history(engine) == []
+
+    wait_until(lambda: all_leases_expired(engine), "the earlier run's lease to run out")
+    result = Relay(ob, engine, relay_id="stable").run_until_idle()
+    assert (result.recovered, result.delivered) == (1, 1)
+    outcomes = [(h.outcome, h.relay_id, h.attempt) for h in history(engine)]
+    assert outcomes == [("lease_expired", "stable", 1), ("delivered", "stable", 2)]
