@@ -37,6 +37,7 @@ class OutcomeWriter:
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
         self._buffer: list[Outcome] = []
+        self._writing: list[Outcome] = []  # taken off the buffer, not yet known to be written
         self._buffered = asyncio.Event()
         self._lock = asyncio.Lock()
         self._recorder = LoopConnection(rt.store.engine, "outbox-relay write") if rt.store.fast else None
@@ -55,7 +56,7 @@ class OutcomeWriter:
 
     def held_ids(self) -> list[int]:
         """Messages whose outcome is not yet written: their leases must outlive the write."""
-        return [c.message_id for _, c in self._buffer]
+        return [c.message_id for _, c in (*self._buffer, *self._writing)]
 
     # -- the task -----------------------------------------------------------------
 
@@ -87,6 +88,8 @@ class OutcomeWriter:
             batch, self._buffer = self._buffer, []
             if not batch:
                 return
+            # A write can stall (a lock, a slow server) past the lease: its messages stay held.
+            self._writing = batch
             try:
                 try:
                     await self._record([c for _, c in batch])
@@ -98,6 +101,8 @@ class OutcomeWriter:
                 self._buffer[:0] = batch  # keep them, in order, for the next try
                 self._buffered.set()
                 raise
+            finally:
+                self._writing = []
         self.on_written()
         for message, completion in batch:
             self._announce(message, completion)

@@ -932,3 +932,39 @@ def test_a_drain_never_refunds_an_attempt_an_earlier_process_with_the_same_relay
     assert (result.recovered, result.delivered) == (1, 1)
     outcomes = [(h.outcome, h.relay_id, h.attempt) for h in history(engine)]
     assert outcomes == [("lease_expired", "stable", 1), ("delivered", "stable", 2)]
+
+
+def test_outcomes_being_written_keep_their_leases(pg_engine, ob):
+    """A write that stalls past the lease must not let the message be recovered and delivered again."""
+    delivered: list[int] = []
+    ob.route("e", lambda msg: delivered.append(msg.id), name="r")
+    maker = sessionmaker(pg_engine)
+    ob.install(maker)
+    blocker = pg_engine.connect()
+    relay = Relay(ob, pg_engine, lease=0.6, poll_interval=0.05)
+    thread = threading.Thread(target=relay.run)
+    try:
+        # Every history insert waits for this lock, so the relay's outcome write stalls.
+        blocker.execute(text("LOCK TABLE outbox_attempt IN ACCESS EXCLUSIVE MODE"))
+        thread.start()
+        emit_many(maker, "e", [{"n": 1}])
+        (claimed,) = wait_until(lambda: leases(pg_engine), "the claim")
+        wait_until(lambda: delivered, "the handler to run")
+        now = wait_until(
+            lambda: clock(pg_engine) if clock(pg_engine) > claimed + timedelta(seconds=1.5) else None,
+            "two and a half leases to pass",
+        )
+        (renewed,) = leases(pg_engine)
+        assert renewed > now - timedelta(seconds=0.6), "the lease was renewed while its outcome was written"
+        assert statuses(pg_engine) == {"r:1": "running"}
+    finally:
+        blocker.rollback()
+        blocker.close()
+    try:
+        wait_until(lambda: statuses(pg_engine) == {"r:1": "delivered"}, "the outcome written")
+    finally:
+        relay.stop()
+        thread.join(10)
+        ob.uninstall(maker)
+    assert len(delivered) == 1
+    assert [h.outcome for h in history(pg_engine)] == ["delivered"]
