@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,7 +28,7 @@ from .store import Store
 if TYPE_CHECKING:
     from .worker import Relay
 
-__all__ = ["DrainResult", "Runtime", "backoff_delay", "first_line", "log"]
+__all__ = ["DrainResult", "Runtime", "backoff_delay", "first_line", "log", "supervise"]
 
 log = logging.getLogger("outbox.relay")
 
@@ -56,6 +57,42 @@ def first_line(exc: BaseException) -> str:
 def backoff_delay(failures: int) -> float:
     """Seconds to wait after ``failures`` consecutive failures: 0.25 s doubling, at most 30 s."""
     return float(min(30.0, 0.25 * 2 ** min(failures - 1, 10)))
+
+
+#: A background task that ran at least this long before failing starts its back-off afresh.
+_HEALTHY_RUN = 60.0
+
+
+async def supervise(name: str, run: Callable[[], Awaitable[None]], *, relay_id: str) -> None:
+    """Run a background loop of the relay for as long as the relay runs, whatever it raises.
+
+    The relay's background loops (writer, heartbeat, recoverer, LISTEN,
+    metrics) never return and handle the errors they expect themselves. Any
+    other error, or a return, would silently end the loop while the relay kept
+    serving without it: here it is logged with its traceback (action
+    ``task_restart``) and the loop starts again after a back-off.
+    """
+    failures = 0
+    while True:
+        began = time.monotonic()
+        try:
+            await run()
+            problem = "ended"
+        except Exception as exc:
+            problem = f"failed ({type(exc).__name__})"
+        if time.monotonic() - began > _HEALTHY_RUN:
+            failures = 0
+        failures += 1
+        delay = backoff_delay(failures)
+        log.error(
+            "relay task %s %s; restarting it in %.1fs",
+            name,
+            problem,
+            delay,
+            exc_info=problem != "ended",
+            extra={"action": "task_restart", "task": name, "relay_id": relay_id, "failures": failures},
+        )
+        await asyncio.sleep(delay)
 
 
 class Runtime:

@@ -33,7 +33,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import select
@@ -50,7 +50,7 @@ from .db import Listener, make_engine, supports_listen
 from .dispatch import secrets_of
 from .leases import LeaseKeeper
 from .metrics import RelayMetrics
-from .runtime import DrainResult, Runtime, backoff_delay, first_line, log
+from .runtime import DrainResult, Runtime, backoff_delay, first_line, log, supervise
 from .shutdown import Shutdown
 from .store import GroupPolicy, Store
 from .writer import OutcomeWriter
@@ -311,18 +311,18 @@ class Relay:
                 self._install_signals()
             signals.messages_committed.connect(self._on_commit, sender=self.outbox, weak=False)
             self._background = [
-                asyncio.create_task(self._writer.run(), name="outbox-writer"),
-                asyncio.create_task(self._leases.heartbeat(), name="outbox-heartbeat"),
-                asyncio.create_task(self._leases.recoverer(), name="outbox-recoverer"),
+                self._start("outbox-writer", self._writer.run),
+                self._start("outbox-heartbeat", self._leases.heartbeat),
+                self._start("outbox-recoverer", self._leases.recoverer),
             ]
             if self.listen:
                 self.listener = Listener(self.engine, on_notify=rt.wake.set, on_listening=rt.wake.set)
-                self._background.append(asyncio.create_task(self.listener.run(), name="outbox-listen"))
+                self._background.append(self._start("outbox-listen", self.listener.run))
             if self.metrics is not None:
                 listener = self.listener
                 self.metrics.watch_listener(lambda: listener is None or listener.connected.is_set())
                 self.metrics.up.set(1)
-                self._background.append(asyncio.create_task(self._refresh_metrics(rt), name="outbox-metrics"))
+                self._background.append(self._start("outbox-metrics", lambda: self._refresh_metrics(rt)))
             log.info(
                 "relay %s started: routes=%s queues=%s concurrency=%d listen=%s",
                 self.id,
@@ -350,6 +350,10 @@ class Relay:
             if started:  # also when serving failed: whoever saw it start must see it stop
                 log.info("relay %s stopped", self.id, extra={"action": "stopped", "relay_id": self.id})
                 send(signals.relay_stopped, self.outbox, relay=self)
+
+    def _start(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """A background task that is restarted, loudly, if it ever fails or ends."""
+        return asyncio.create_task(supervise(name, run, relay_id=self.id), name=name)
 
     async def _serve_loop(self, rt: Runtime) -> None:
         failures = 0
@@ -413,7 +417,7 @@ class Relay:
             self._bind_handlers()
             await self._leases.report_unknown_handlers()
             await self._leases.recover_once()
-            self._background = [asyncio.create_task(self._leases.heartbeat(), name="outbox-heartbeat")]
+            self._background = [self._start("outbox-heartbeat", self._leases.heartbeat)]
             while True:
                 # Write first, then claim: a claim must see every outcome so far,
                 # or a group's next message looks blocked by one already finished.
