@@ -3,9 +3,9 @@
 Two endings share these steps. A serving relay that was asked to stop
 (:meth:`Shutdown.graceful`): release unstarted claims at once, give in-flight
 deliveries the grace period, cancel what is left (recorded as attempts that
-may have taken effect), then write what remains, retrying for a while. An
-interrupted drain (:meth:`Shutdown.after_interrupted_drain`): one try only,
-because the caller is being interrupted and wants out.
+may have taken effect), then write what remains, retrying for a while. The
+end of a drain, interrupted or not (:meth:`Shutdown.end_of_drain`): one try
+only, because an interrupted caller wants out.
 
 Whatever cannot be written or released here keeps its lease until it expires;
 another relay then takes it back, charged and recorded as ``lease_expired``.
@@ -100,7 +100,7 @@ class Shutdown:
                     return
                 await asyncio.sleep(0.5)
 
-    async def after_interrupted_drain(self) -> None:
+    async def end_of_drain(self) -> None:
         """After a drain (interrupted or not): record cancelled attempts, hand back what never started.
 
         Every delivery that began has an outcome by now (cancelled ones too).

@@ -48,6 +48,7 @@ from .announce import send
 from .claimer import Claimer
 from .db import Listener, make_engine, supports_listen
 from .dispatch import secrets_of
+from .hooks import bind_handlers, shutdown_handlers
 from .leases import LeaseKeeper
 from .metrics import RelayMetrics
 from .runtime import DrainResult, Runtime, backoff_delay, first_line, log, supervise
@@ -235,40 +236,6 @@ class Relay:
         with self.engine.connect() as conn:
             conn.execute(select(outbox_message.c.id).limit(0))
 
-    def _bind_handlers(self) -> None:
-        """Offer each handler the relay's engine (``outbox_bind(engine)``), once the database answers.
-
-        A handler that keeps state in the database, such as the email sent-log,
-        then needs no engine of its own in its configuration.
-        """
-        for route in self._routes.values():
-            hook = getattr(route.handler, "outbox_bind", None)
-            if callable(hook):
-                hook(self.engine)
-
-    async def _shutdown_handlers(self) -> None:
-        """Let handlers close what they opened on this loop (HTTP clients, SMTP connections).
-
-        A handler object may define ``outbox_shutdown()``, plain or async; a
-        failure there is logged, never raised, so one handler cannot keep the
-        relay from stopping.
-        """
-        for route in self._routes.values():
-            hook = getattr(route.handler, "outbox_shutdown", None)
-            if not callable(hook):
-                continue
-            try:
-                result = hook()
-                if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-                    await result
-            except Exception as exc:
-                log.warning(
-                    "route %s: outbox_shutdown failed: %s",
-                    route.name,
-                    self._redactor.text(str(exc)),
-                    extra={"action": "handler_shutdown", "handler": route.name},
-                )
-
     async def _close(self, rt: Runtime) -> None:
         await self._claimer.close()
         await self._writer.close()
@@ -306,7 +273,7 @@ class Relay:
         started = False
         try:
             await self._check_database(rt)
-            self._bind_handlers()
+            bind_handlers(self._routes.values(), self.engine)
             if install_signal_handlers:
                 self._install_signals()
             signals.messages_committed.connect(self._on_commit, sender=self.outbox, weak=False)
@@ -341,7 +308,7 @@ class Relay:
             for task in self._background:
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
-            await self._shutdown_handlers()
+            await shutdown_handlers(self._routes.values(), self._redactor)
             if self.metrics is not None:
                 self.metrics.up.set(0)
             if install_signal_handlers:
@@ -414,7 +381,7 @@ class Relay:
         claimer, writer = self._claimer, self._writer
         try:
             await self._check_database(rt)
-            self._bind_handlers()
+            bind_handlers(self._routes.values(), self.engine)
             await self._leases.report_unknown_handlers()
             await self._leases.recover_once()
             self._background = [self._start("outbox-heartbeat", self._leases.heartbeat)]
@@ -433,7 +400,7 @@ class Relay:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            await self._shutdown.after_interrupted_drain()
-            await self._shutdown_handlers()
+            await self._shutdown.end_of_drain()
+            await shutdown_handlers(self._routes.values(), self._redactor)
             await self._close(rt)
         return rt.result
