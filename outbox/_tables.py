@@ -159,7 +159,8 @@ outbox_attempt = Table(
     Column("actor", String(255)),
     Column("reason", Text),
     CheckConstraint(_one_of("outcome", ATTEMPT_OUTCOMES), name="outcome"),
-    Index("ix_outbox_attempt_message_id", "message_id", "attempt"),
+    # Also what makes a re-sent outcome batch harmless: history is inserted ON CONFLICT DO NOTHING.
+    Index("ux_outbox_attempt_once", "message_id", "attempt", "outcome", "started_at", unique=True),
     Index("ix_outbox_attempt_started_at", "started_at"),
     sqlite_autoincrement=True,
 )

@@ -167,42 +167,59 @@ class Listener:
         self.backend_pid: int | None = None
 
     async def run(self) -> None:
-        import psycopg
+        """LISTEN until cancelled. Every error, not only psycopg's, ends in a reconnect.
 
+        Reading the engine's settings can fail in SQLAlchemy's pool (a pool
+        timeout, say), and a LISTEN connection lost for good would leave the
+        relay polling without anyone noticing; ``connected`` is clear whenever
+        nothing is listening, which is what ``/readyz`` reports.
+        """
         failures = 0
-        while True:
-            try:
-                conn = await _connect(self._engine, "outbox-relay listen", autocommit=True)
-            except psycopg.Error as exc:
-                failures += 1
-                await self._pause(failures, "connect", exc)
-                continue
-            try:
-                async with conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
-                    self.backend_pid = conn.info.backend_pid
-                    if failures:
-                        log.info("listening again after %d failure(s)", failures, extra={"action": "listen"})
-                    failures = 0
-                    self.connected.set()
-                    self._on_listening()
-                    while True:
-                        async for _ in conn.notifies(timeout=self._check_interval):
-                            self._on_notify()
-                        # Quiet for a while: prove the socket is alive, or fail into a reconnect.
-                        await conn.execute("SELECT 1")
-            except psycopg.Error as exc:
-                self.connected.clear()
-                self.backend_pid = None
-                failures += 1
-                await self._pause(failures, "lost", exc)
+        try:
+            while True:
+                try:
+                    conn = await _connect(self._engine, "outbox-relay listen", autocommit=True)
+                except Exception as exc:
+                    failures += 1
+                    await self._pause(failures, "connect", exc)
+                    continue
+                try:
+                    async with conn:
+                        await conn.execute(f"LISTEN {CHANNEL}")
+                        self.backend_pid = conn.info.backend_pid
+                        if failures:
+                            log.info(
+                                "listening again after %d failure(s)", failures, extra={"action": "listen"}
+                            )
+                        failures = 0
+                        self.connected.set()
+                        self._on_listening()
+                        while True:
+                            async for _ in conn.notifies(timeout=self._check_interval):
+                                self._on_notify()
+                            # Quiet for a while: prove the socket is alive, or fail into a reconnect.
+                            await conn.execute("SELECT 1")
+                except Exception as exc:
+                    self._not_listening()
+                    failures += 1
+                    await self._pause(failures, "lost", exc)
+        finally:
+            self._not_listening()
+
+    def _not_listening(self) -> None:
+        self.connected.clear()
+        self.backend_pid = None
 
     async def _pause(self, failures: int, what: str, exc: Exception) -> None:
         delay = min(self._max_backoff, 0.25 * 2 ** min(failures - 1, 10))
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        try:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except Exception:
+            reason = type(exc).__name__
         log.warning(
-            "LISTEN connection %s (%s); retrying in %.1fs, polling meanwhile",
+            "LISTEN connection %s (%s: %s); retrying in %.1fs, polling meanwhile",
             "failed" if what == "connect" else "lost",
+            type(exc).__name__,
             reason,
             delay,
             extra={"action": "listen_retry", "failures": failures},

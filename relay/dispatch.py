@@ -73,7 +73,7 @@ def _describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
     # The public path (outbox.RetryLater), not the private module it lives in.
     module = "outbox" if kind.__module__.startswith("outbox._") else kind.__module__
     name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
-    text = redactor.text(str(exc) or kind.__name__)
+    text = redactor.text(_text_of(exc))
     if len(text) > _ERROR_LIMIT:
         text = text[: _ERROR_LIMIT - 1] + "…"
     return name, text
@@ -87,7 +87,11 @@ async def attempt(
     redactor: Redactor,
     rng: random.Random,
 ) -> tuple[Message, Completion]:
-    """Run one delivery attempt; never raises except on cancellation of the relay itself."""
+    """Run one delivery attempt; never raises except on cancellation of the relay itself.
+
+    Whatever the handler raises is classified, even an exception whose own
+    ``__str__`` or ``__repr__`` raises (recorded as ``<unprintable Name>``).
+    """
     message = to_message(row)
     started = utcnow()
     clock = time.monotonic()
@@ -100,12 +104,10 @@ async def attempt(
     refund = False
     # asyncio.timeout, not wait_for: no extra Task per message on the hot path.
     deadline = asyncio.timeout(route.timeout)
+    returned: Any = None
     try:
         async with deadline:
             returned = await _invoke(route.handler, message, executor)
-        # A handler may return facts about the delivery (HTTP status, SMTP queue id).
-        if isinstance(returned, Mapping):
-            detail = redactor.mapping(returned)
     except TimeoutError as exc:
         if not deadline.expired():  # the handler's own TimeoutError (a socket, say): a plain failure
             outcome = "failed"
@@ -133,7 +135,9 @@ async def attempt(
         error_type, error = _describe(exc, redactor)
         detail = _detail_of(exc, redactor)
     if outcome == "delivered":
-        pass
+        # A handler may return facts about the delivery (HTTP status, SMTP queue id).
+        if isinstance(returned, Mapping):
+            detail = _redacted(returned, redactor)
     elif outcome == "dead" or last:
         status = "dead"
         if outcome != "dead":
@@ -163,6 +167,30 @@ async def attempt(
     )
 
 
+def _text_of(exc: BaseException) -> str:
+    """``str(exc)``, which is the exception's own code and may itself raise."""
+    try:
+        text = str(exc)
+    except Exception:
+        return f"<unprintable {type(exc).__name__}>"
+    return text or type(exc).__name__
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        return repr(value)[:_ERROR_LIMIT]
+    except Exception:
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _redacted(data: Mapping[Any, Any], redactor: Redactor) -> dict[str, Any]:
+    """A handler's mapping with secrets masked; one whose keys cannot even be printed is kept as a note."""
+    try:
+        return redactor.mapping(data)
+    except Exception:
+        return {"unstorable_detail": _safe_repr(data)}
+
+
 def _storable_text(text: str) -> str:
     # PostgreSQL text and JSON cannot hold NUL; an exception quoting a binary reply often does.
     return text.replace("\x00", "\\x00")
@@ -180,7 +208,7 @@ def _storable_detail(detail: Mapping[str, Any] | None) -> dict[str, Any] | None:
     try:
         plain = json.loads(json.dumps(detail, default=str), parse_constant=str)
     except Exception:
-        plain = {"unstorable_detail": repr(detail)[:_ERROR_LIMIT]}
+        plain = {"unstorable_detail": _safe_repr(detail)}
     cleaned: dict[str, Any] = _without_nul(plain)
     return cleaned
 
@@ -197,9 +225,12 @@ def _without_nul(value: Any) -> Any:
 
 def _detail_of(exc: BaseException, redactor: Redactor) -> dict[str, Any] | None:
     """Handlers attach structured facts (HTTP status, SMTP code) as ``exc.detail``."""
-    detail = getattr(exc, "detail", None)
+    try:
+        detail = getattr(exc, "detail", None)
+    except Exception:  # a property of the handler's own exception class
+        return None
     if isinstance(detail, dict):
-        return redactor.mapping(detail)
+        return _redacted(detail, redactor)
     return None
 
 

@@ -36,8 +36,11 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    tuple_,
     update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message
@@ -257,20 +260,25 @@ class Store:
         with self.engine.begin() as conn:
             return conn.execute(stmt, {"lease": self._bind_later(self.lease)}).rowcount
 
-    def release(self, ids: Iterable[int] | None) -> int:
-        """Hand back claimed messages that never started: not an attempt, so the count is restored.
+    def release(self, claims: Iterable[tuple[int, int]]) -> int:
+        """Hand back claims whose attempt never started: not an attempt, so the count is restored.
 
-        ``None`` releases every message still running under this relay's id.
+        Each claim is named by (id, attempt), as this relay claimed it: the
+        attempt number changes with every claim of a row, so a release can
+        only ever undo the claim it names, never a claim of the same row that
+        another process made under the same relay id (a crashed earlier run,
+        say), whose attempt must stay counted.
         """
-        mine = [m.c.locked_by == self.relay_id, m.c.status == "running"]
-        if ids is not None:
-            ids = list(ids)
-            if not ids:
-                return 0
-            mine.append(m.c.id.in_(ids))
+        claims = list(claims)
+        if not claims:
+            return 0
         stmt = (
             update(m)
-            .where(*mine)
+            .where(
+                m.c.locked_by == self.relay_id,
+                m.c.status == "running",
+                tuple_(m.c.id, m.c.attempts).in_(claims),
+            )
             .values(
                 status="pending",
                 locked_by=None,
@@ -352,10 +360,22 @@ class Store:
                     }
                 )
             if history:
-                conn.execute(insert(a), history)
+                conn.execute(self._history_insert(), history)
         return recovered
 
     # -- outcomes -----------------------------------------------------------------
+
+    def _history_insert(self) -> Any:
+        """History rows, each written once: a batch sent again after a lost reply appends nothing.
+
+        The unique index ``ux_outbox_attempt_once`` (message, attempt, outcome and the
+        relay's own start stamp) is what a re-sent row collides with.
+        """
+        if self.engine.dialect.name == "postgresql":
+            return pg_insert(a).on_conflict_do_nothing()
+        if self.engine.dialect.name == "sqlite":
+            return sqlite_insert(a).on_conflict_do_nothing()
+        return insert(a)
 
     def complete(self, results: Sequence[Completion]) -> None:
         """Write a batch of attempt outcomes: message rows updated, history appended, one transaction.
@@ -431,7 +451,7 @@ class Store:
                     dead,
                 )
             conn.execute(
-                insert(a),
+                self._history_insert(),
                 [
                     {
                         "message_id": r.message_id,

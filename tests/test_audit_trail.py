@@ -9,6 +9,7 @@ per test.
 
 from __future__ import annotations
 
+import itertools
 import re
 import uuid
 from collections.abc import Iterator
@@ -44,12 +45,21 @@ def count(engine: Engine, table: Any) -> int:
         return conn.execute(select(func.count()).select_from(table)).scalar_one()
 
 
+_SEEDED = itertools.count()
+
+
 def seed_history(engine: Engine, message_ids: list[int], started_at: datetime = TEN_DAYS_AGO) -> None:
+    """History rows at ``started_at``, each a microsecond apart: a row's key is never repeated."""
     with engine.begin() as conn:
         conn.execute(
             insert(a),
             [
-                {"message_id": i, "attempt": 1, "outcome": "retry", "started_at": started_at}
+                {
+                    "message_id": i,
+                    "attempt": 1,
+                    "outcome": "retry",
+                    "started_at": started_at + timedelta(microseconds=next(_SEEDED)),
+                }
                 for i in message_ids
             ],
         )
@@ -374,6 +384,20 @@ def test_sqlite_replace_and_upsert_cannot_rewrite_a_history_row(database_url, en
             conn.execute(text(statement))
     with engine.connect() as conn:
         assert conn.execute(select(a)).all() == [before]
+    if engine.dialect.name == "sqlite":
+        # A new id with the key of the existing row (message, attempt, outcome, started_at):
+        # REPLACE would delete the old row on that unique key; it is skipped instead.
+        with engine.begin() as conn:
+            stamp = conn.execute(text("SELECT started_at FROM outbox_attempt")).scalar_one()
+            conn.execute(
+                text(
+                    "INSERT OR REPLACE INTO outbox_attempt (message_id, attempt, outcome, started_at, reason)"
+                    " VALUES (:m, :n, :o, :s, 'rewritten')"
+                ),
+                {"m": before.message_id, "n": before.attempt, "o": before.outcome, "s": stamp},
+            )
+        with engine.connect() as conn:
+            assert conn.execute(select(a)).all() == [before]
     seed_history(engine, [2])  # new rows still go in
     assert count(engine, a) == 2
 

@@ -47,3 +47,70 @@ def test_a_handlers_own_timeout_error_is_a_failure_not_the_relays_timeout(engine
         ("dead", "TimeoutError", "upstream read timed out after 2s"),
     ]
     assert status == "dead"
+
+
+class Garbled(Exception):
+    """An exception a library built badly: neither str() nor repr() works."""
+
+    def __str__(self) -> str:
+        raise TypeError("__str__ returned non-string (type NoneType)")
+
+    def __repr__(self) -> str:
+        raise TypeError("__repr__ returned non-string (type NoneType)")
+
+
+class Unserialisable:
+    def __repr__(self) -> str:
+        raise ValueError("no repr either")
+
+
+def _deliver_once(engine: Engine, ob: Outbox) -> None:
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        with maker() as s, s.begin():
+            emit(s, "e", {"n": 1})
+        Relay(ob, engine).run_until_idle()
+    finally:
+        ob.uninstall(maker)
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+def test_an_exception_that_cannot_be_printed_is_recorded_as_unprintable_and_classified(
+    engine: Engine, max_attempts: int
+):
+    ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+
+    @ob.handler("e", name="h", max_attempts=max_attempts)
+    def handler(msg):
+        raise Garbled()
+
+    _deliver_once(engine, ob)
+    with engine.connect() as conn:
+        rows = conn.execute(select(a).order_by(a.c.id))
+        got = [(h.attempt, h.outcome, h.error_type, h.error) for h in rows]
+        row = conn.execute(select(m.c.status, m.c.attempts, m.c.last_error)).one()
+    name = f"{__name__}.Garbled"
+    unprintable = "<unprintable Garbled>"
+    if max_attempts == 1:
+        assert got == [(1, "dead", name, unprintable)]
+    else:
+        assert got == [(1, "failed", name, unprintable), (2, "dead", name, unprintable)]
+    assert row == ("dead", max_attempts, "<unprintable Garbled>")
+
+
+def test_an_error_detail_that_can_be_neither_serialised_nor_printed_is_stored_as_unprintable(engine: Engine):
+    ob = Outbox()
+
+    class WithDetail(Exception):
+        detail = {"reply": Unserialisable(), "status": 502}
+
+    @ob.handler("e", name="h", max_attempts=1)
+    def handler(msg):
+        raise WithDetail("bad gateway")
+
+    _deliver_once(engine, ob)
+    with engine.connect() as conn:
+        ((outcome, error, detail),) = conn.execute(select(a.c.outcome, a.c.error, a.c.detail)).all()
+    assert (outcome, error) == ("dead", "bad gateway")
+    assert detail == {"unstorable_detail": "<unprintable dict>"}

@@ -257,3 +257,38 @@ def _listener_pid(admin: Engine, database: str | None) -> Any:
             ),
             {"db": database},
         ).scalar()
+
+
+class FlakyBreakers:
+    """A handler whose breaker report fails once (user code), then works."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, msg: Any) -> None:
+        pass
+
+    def outbox_breaker_states(self) -> dict[str, bool]:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("breaker report bug")
+        return {"partner.example": True}
+
+
+def test_a_failing_breaker_report_does_not_stop_the_metrics_refresh(engine, caplog):
+    ob = Outbox()
+    ob.route("e", FlakyBreakers(), name="flaky")
+    metrics = RelayMetrics()
+    relay = Relay(ob, engine, metrics=metrics, metrics_interval=0.05, poll_interval=0.05, listen=False)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        wait_until(
+            lambda: metrics.breaker_open.labels("partner.example")._value.get() == 1,
+            "the breaker gauge set by a later refresh",
+            timeout=10,
+        )
+    finally:
+        relay.stop()
+        thread.join(10)
+    assert any("breaker report bug" in r.getMessage() or r.exc_info for r in caplog.records)

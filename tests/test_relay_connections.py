@@ -8,6 +8,9 @@ in its own schema.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import sessionmaker
@@ -57,3 +60,48 @@ def test_a_relay_serves_the_schema_its_engine_connects_to(pg_url, via):
     ob.uninstall(maker)
     engine.dispose()
     admin.dispose()
+
+
+def test_listening_is_restored_after_a_non_database_error_and_readyz_says_when_it_is_down(pg_url, caplog):
+    """A reconnect that fails outside psycopg (here SQLAlchemy's pool timing out) must not end LISTEN."""
+    from relayproc import wait_until
+
+    from outbox.relay.metrics import RelayMetrics
+
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    # One pooled connection, and the test holds it while the LISTEN connection is lost: the
+    # listener's reconnect needs the pool to read the connection settings, and times out.
+    engine = create_engine(pg_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    ob = Outbox()
+    ob.route("e", lambda message: None, name="r")
+    metrics = RelayMetrics()
+    relay = Relay(ob, engine, poll_interval=0.1, metrics=metrics, metrics_interval=0.1)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        wait_until(lambda: metrics.ready()[0], "the relay ready, listening")
+        first = relay.listener.backend_pid if relay.listener else None
+        assert first is not None
+        held = engine.connect()
+        try:
+            with admin.connect() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
+            wait_until(lambda: metrics.ready() == (False, "LISTEN connection down"), "readyz to say so")
+            wait_until(
+                lambda: len([r for r in caplog.records if getattr(r, "action", "") == "listen_retry"]) >= 2,
+                "reconnects failing on the pool, logged",
+            )
+        finally:
+            held.close()
+        wait_until(
+            lambda: relay.listener is not None and relay.listener.backend_pid not in (None, first),
+            "a new LISTEN connection",
+            timeout=15,
+        )
+        wait_until(lambda: metrics.ready()[0], "the relay ready again")
+    finally:
+        relay.stop()
+        thread.join(10)
+        engine.dispose()
+        admin.dispose()

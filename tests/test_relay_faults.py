@@ -209,6 +209,56 @@ def test_live_relays_renew_their_leases_so_nothing_is_recovered(pg_engine, pg_ur
     assert slow.actions("lease_expired") == other.actions("lease_expired") == []
 
 
+def test_a_crashed_once_run_is_not_refunded_by_the_next_run_with_the_same_relay_id(
+    pg_engine, pg_url, emitter, spawn, tmp_path
+):
+    """A stable --relay-id must not let a later run erase the attempt a killed run made.
+
+    The killed run's claim leaves only through lease expiry, charged and recorded as lease_expired.
+    """
+    started = tmp_path / "started"
+    started.mkdir()
+    emitter(1)
+    once = ("--once", "--relay-id", "nightly", "--lease", "8")
+    crashed = spawn(pg_url, *once, COUNTING_SLEEP="60", COUNTING_STARTED_DIR=str(started))
+    (held,) = wait_until(lambda: started_markers(started), "the handler to start", relays=[crashed])
+    crashed.signal(signal.SIGKILL)
+    assert crashed.wait(10) == -signal.SIGKILL
+
+    again = spawn(pg_url, *once)  # well within the killed run's lease
+    assert again.wait(30) == 0, again.tail()
+    with pg_engine.connect() as conn:
+        row = conn.execute(select(m)).one()
+    assert (row.id, row.status, row.attempts, row.locked_by) == (held, "running", 1, "nightly"), (
+        "the attempt the killed run made stays counted"
+    )
+    assert history(pg_engine) == [] and again.actions("release") == []
+
+    wait_until(lambda: all_leases_lapsed(pg_engine), "the killed run's lease to run out")
+    # Serving, not --once: the recovered message is due again only after its retry back-off.
+    last = spawn(pg_url, "--relay-id", "nightly", "--lease", "8", "--poll-interval", "0.2")
+    wait_until(
+        lambda: statuses(pg_engine) == Counter(delivered=1), "the recovered message delivered", relays=[last]
+    )
+    last.signal(signal.SIGTERM)
+    assert last.wait(15) == 0, last.tail()
+    assert [(h.attempt, h.outcome, h.relay_id) for h in history(pg_engine)] == [
+        (1, "lease_expired", "nightly"),
+        (2, "delivered", "nightly"),
+    ]
+    assert deliveries(pg_engine) == Counter({held: 1})
+
+
+def all_leases_lapsed(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                select(func.count()).where(m.c.status == "running", m.c.locked_until >= func.now())
+            ).scalar_one()
+            == 0
+        )
+
+
 # -- competing relays -------------------------------------------------------------------------------------
 
 

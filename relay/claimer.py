@@ -1,0 +1,217 @@
+"""The claimer: claim rounds, and one delivery task per claimed message.
+
+It owns every message between its claim and the hand-over of its outcome to
+the writer: which are in flight (and in which queue, for per-queue caps),
+which were claimed but never started. A delivery slot stays taken until the
+outcome is written (the writer's count is part of :meth:`Claimer.free`), so a
+database that falls behind makes the relay claim less instead of piling up
+results in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from outbox import Message, signals
+
+from .announce import send
+from .db import LoopConnection
+from .dispatch import attempt, to_message
+from .runtime import Runtime, log
+from .store import Completion, utcnow
+from .threads import DaemonPool
+from .writer import OutcomeWriter
+
+__all__ = ["Claimer"]
+
+
+class Claimer:
+    def __init__(
+        self,
+        rt: Runtime,
+        writer: OutcomeWriter,
+        *,
+        queues: Sequence[str] | None,
+        concurrency: int,
+        queue_concurrency: Mapping[str, int],
+        batch_size: int,
+    ) -> None:
+        self._rt = rt
+        self._writer = writer
+        self._queues = queues
+        self._concurrency = concurrency
+        self._queue_concurrency = queue_concurrency
+        self._batch_size = batch_size
+        # Keyed by (id, attempt): a message this relay lost and claimed again runs twice for a while.
+        self.inflight: dict[tuple[int, int], asyncio.Task[None]] = {}
+        self._by_queue: Counter[str] = Counter()
+        # Claims this process made whose attempt has not begun, as (id, attempt): the only
+        # claims it may ever hand back uncharged. A row another process left running (even
+        # one with the same relay id) is never among them; it leaves through lease expiry.
+        self._unstarted: dict[tuple[int, int], None] = {}
+        self._saturated = False
+        self._known_queues: set[str] = {r.queue for r in rt.routes.values()}
+        self._next_discovery = 0.0
+        # Claims are as durable as outcomes: a claim a server crash forgot would have its
+        # attempt number used again, and a delivery its handler already made would leave no
+        # trace (no lease ever expires for it), so the duplicate could not be explained.
+        self._conn = LoopConnection(rt.store.engine) if rt.store.fast else None
+        self._handler_pool = DaemonPool(concurrency + 2)
+        writer.on_written = self._slots_freed
+
+    def held_ids(self) -> list[int]:
+        """Messages this relay works on (or must still release): their leases must be renewed."""
+        return [*(message_id for message_id, _ in self.inflight), *(i for i, _ in self._unstarted)]
+
+    def unstarted(self) -> list[tuple[int, int]]:
+        """Claims whose attempt never began, as (id, attempt): to be released, uncharged."""
+        return list(self._unstarted)
+
+    def released(self, claims: list[tuple[int, int]]) -> None:
+        for claim in claims:
+            self._unstarted.pop(claim, None)
+
+    def learn_queues(self, queues: tuple[str, ...]) -> None:
+        self._known_queues.update(queues)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+        self._handler_pool.shutdown(wait=False)
+
+    # -- claiming -----------------------------------------------------------------
+
+    def _free(self, queue: str) -> int:
+        # Outcomes not yet written hold their slot: if the database falls behind, the
+        # relay claims less instead of piling up results in memory.
+        free = self._concurrency - len(self.inflight) - len(self._writer)
+        limit = self._queue_concurrency.get(queue)
+        if limit is not None:
+            free = min(free, limit - self._by_queue[queue])
+        return free
+
+    def _slots_freed(self) -> None:
+        if self._saturated:
+            self._rt.wake.set()
+
+    async def _queues_to_claim(self, discover: bool) -> list[str]:
+        if self._queues is not None:
+            return list(self._queues)
+        # Discovery finds queues named only at emit time; once per poll interval is
+        # enough, and keeps a query off the wake-up path.
+        if discover and time.monotonic() >= self._next_discovery:
+            self._next_discovery = time.monotonic() + self._rt.poll_interval
+            self._known_queues.update(await self._rt.db(self._rt.store.pending_queues))
+        return sorted(self._known_queues)
+
+    async def claim_round(self, *, discover: bool) -> tuple[int, bool]:
+        """Claim from every served queue up to the free slots.
+
+        Returns how many were claimed, and whether more may be due right now
+        (a full batch came back and slots are still free).
+        """
+        rt = self._rt
+        more = False
+        claimed = 0
+        self._saturated = False
+        for queue in await self._queues_to_claim(discover):
+            if rt.stopping:
+                break
+            free = self._free(queue)
+            if free <= 0:
+                self._saturated = True
+                continue
+            limit = min(self._batch_size, free)
+            if self._conn is not None:
+                rows = await rt.store.claim_on(self._conn, queue, rt.handlers, limit)
+            else:
+                rows = await rt.db(rt.store.claim, queue, rt.handlers, limit)
+            if rows:
+                claimed += len(rows)
+                self._dispatch(queue, rows)
+            if len(rows) == limit:
+                more = True
+                if self._free(queue) <= 0:
+                    self._saturated = True
+        return claimed, more and not self._saturated
+
+    def _dispatch(self, queue: str, rows: list[Any]) -> None:
+        log.debug(
+            "claimed %d from %s",
+            len(rows),
+            queue,
+            extra={"action": "claim", "queue": queue, "count": len(rows)},
+        )
+        for row in rows:  # before anything else can fail or be interrupted
+            self._unstarted[row.id, row.attempts] = None
+        if signals.message_claimed.receivers:  # no Message objects to build when nobody listens
+            send(
+                signals.message_claimed,
+                self._rt.outbox,
+                relay=self._rt.relay,
+                messages=[to_message(r) for r in rows],
+            )
+        for row in rows:
+            self._by_queue[queue] += 1
+            task = asyncio.create_task(self._deliver(queue, row), name=f"outbox-message-{row.id}")
+            self.inflight[row.id, row.attempts] = task
+
+    # -- delivering ---------------------------------------------------------------
+
+    async def _deliver(self, queue: str, row: Any) -> None:
+        rt = self._rt
+        try:
+            if rt.stopping:
+                return  # stays unstarted: the shutdown releases it
+            self._unstarted.pop((row.id, row.attempts), None)
+            route = rt.routes[row.handler]
+            try:
+                message, completion = await attempt(
+                    route, row, executor=self._handler_pool, redactor=rt.redactor, rng=rt.rng
+                )
+            except asyncio.CancelledError:
+                message, completion = _cut_off(row, "Cancelled", _CANCELLED)
+            except Exception as exc:  # a relay bug must not leave a started attempt without its outcome
+                log.error(
+                    "attempt of message #%d could not be classified",
+                    row.id,
+                    exc_info=True,
+                    extra={"action": "relay_error", "message_id": row.id, "handler": row.handler},
+                )
+                message, completion = _cut_off(
+                    row, "RelayError", f"the relay failed while running this attempt ({type(exc).__name__})"
+                )
+            self._writer.add(message, completion)
+        finally:
+            self.inflight.pop((row.id, row.attempts), None)
+            self._by_queue[queue] -= 1
+            if self._saturated:
+                rt.wake.set()
+
+
+_CANCELLED = "the relay stopped before the handler finished; it may or may not have taken effect"
+
+
+def _cut_off(row: Any, error_type: str, error: str) -> tuple[Message, Completion]:
+    """An attempt that began but never finished normally (a forced stop, a relay error).
+
+    It counts, like any attempt that may have taken effect; on its last attempt
+    the message goes dead, as a lease recovery would make it.
+    """
+    now = utcnow()
+    last = row.attempts >= row.max_attempts
+    return to_message(row), Completion(
+        message_id=row.id,
+        attempt=row.attempts,
+        outcome="dead" if last else "failed",
+        status="dead" if last else "pending",
+        started_at=now,
+        finished_at=now,
+        error_type=error_type,
+        error=error,
+        detail={"exhausted": True, "last_outcome": "failed"} if last else None,
+    )

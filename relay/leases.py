@@ -1,0 +1,125 @@
+"""The lease keeper: renew this relay's leases, take back those other relays let lapse.
+
+A lease is what tells every relay that a running message is being worked on.
+The heartbeat renews it for every message this relay still holds (in flight,
+finished but not yet written, claimed and waiting to be released), so a slow
+but live delivery is never claimed twice. The recoverer finds running messages
+whose lease ran out (their relay crashed, hung or lost the database) and puts
+them back, charged and recorded as ``lease_expired``: that is the only way a
+message another process left running ever moves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox import signals
+
+from .announce import send
+from .dispatch import to_message
+from .runtime import Runtime, first_line, log
+
+__all__ = ["LeaseKeeper"]
+
+#: Seconds between warnings about pending rows for routes this relay has no handler for.
+_UNKNOWN_REPORT_EVERY = 300.0
+
+
+class LeaseKeeper:
+    def __init__(self, rt: Runtime, *, lease: float, held_ids: Callable[[], list[int]]) -> None:
+        self._rt = rt
+        self._lease = lease
+        self._held_ids = held_ids
+        self._next_unknown_report = 0.0
+
+    async def heartbeat(self) -> None:
+        """Renew leases of running deliveries so a slow but live handler is never claimed twice."""
+        period = max(self._lease / 3, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            ids = list(set(self._held_ids()))
+            if not ids:
+                continue
+            try:
+                kept = await self._rt.db(self._rt.store.extend, ids)
+            except SQLAlchemyError as exc:
+                log.warning("lease renewal failed (%s)", first_line(exc), extra={"action": "db_error"})
+                continue
+            if kept < len(ids):
+                log.warning(
+                    "%d of %d leases were lost (expired and recovered by another relay?)",
+                    len(ids) - kept,
+                    len(ids),
+                    extra={"action": "lease_lost", "relay_id": self._rt.id},
+                )
+
+    async def recover_once(self) -> int:
+        rt = self._rt
+        recovered = await rt.db(rt.store.recover_expired, rt.backoffs, rt.rng)
+        for item in recovered:
+            row = item.row
+            log.warning(
+                "recovered message #%d from relay %s whose lease expired%s",
+                row.id,
+                row.locked_by,
+                "; it was its last attempt: dead" if item.dead else "",
+                extra={
+                    "action": "lease_expired",
+                    "relay_id": rt.id,
+                    "message_id": row.id,
+                    "handler": row.handler,
+                    "event_type": row.event_type,
+                    "attempt": row.attempts,
+                    "outcome": "lease_expired",
+                    "held_by": row.locked_by,
+                },
+            )
+            if rt.metrics is not None:
+                rt.metrics.deliveries.labels(row.handler, "lease_expired").inc()
+            message = to_message(row)
+            if item.dead:
+                send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=item.reason)
+            else:
+                send(
+                    signals.retry_scheduled,
+                    rt.outbox,
+                    relay=rt.relay,
+                    message=message,
+                    outcome="lease_expired",
+                    delay=item.retry_in,
+                    error=item.reason,
+                )
+        rt.result.recovered += len(recovered)
+        if recovered:
+            rt.wake.set()
+        return len(recovered)
+
+    async def recoverer(self) -> None:
+        period = min(max(self._lease / 2, 0.1), 10.0)
+        while True:
+            try:
+                await self.recover_once()
+            except SQLAlchemyError as exc:
+                log.warning("lease recovery failed (%s)", first_line(exc), extra={"action": "db_error"})
+            if time.monotonic() >= self._next_unknown_report:
+                await self.report_unknown_handlers()
+            await asyncio.sleep(period)
+
+    async def report_unknown_handlers(self) -> None:
+        """Rows for routes this relay lacks stay pending (a rolling deploy must not kill them): say so."""
+        self._next_unknown_report = time.monotonic() + _UNKNOWN_REPORT_EVERY
+        try:
+            unknown = await self._rt.db(self._rt.store.waiting_for_unknown_handlers, self._rt.handlers)
+        except SQLAlchemyError:
+            return
+        for name, count in sorted(unknown.items()):
+            log.warning(
+                "%d pending message(s) wait for route %r, which this relay has no handler for",
+                count,
+                name,
+                extra={"action": "unknown_handler", "handler": name, "count": count},
+            )

@@ -1,0 +1,156 @@
+"""What every part of one running relay shares: its settings, its wake-ups, its database threads.
+
+A :class:`Runtime` is made each time a relay starts serving or draining, and
+dropped when it stops. It holds no delivery state of its own: the claimer, the
+outcome writer and the lease keeper each own theirs, and reach each other only
+through the methods they offer. What is here is what they all need: the store,
+the thread pool that runs its synchronous statements, the events that wake the
+serve loop or stop it, and the running totals a drain returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from outbox import Backoff, Outbox, Route
+from outbox._redact import Redactor
+
+from .metrics import RelayMetrics
+from .store import Store
+
+if TYPE_CHECKING:
+    from .worker import Relay
+
+__all__ = ["DrainResult", "Runtime", "backoff_delay", "first_line", "log", "supervise"]
+
+log = logging.getLogger("outbox.relay")
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class DrainResult:
+    """What one :meth:`Relay.run_until_idle` did."""
+
+    delivered: int = 0
+    retried: int = 0
+    dead: int = 0
+    recovered: int = 0
+
+    @property
+    def attempts(self) -> int:
+        return self.delivered + self.retried + self.dead
+
+
+def first_line(exc: BaseException) -> str:
+    text_ = str(getattr(exc, "orig", None) or exc).strip()
+    return text_.splitlines()[0] if text_ else type(exc).__name__
+
+
+def backoff_delay(failures: int) -> float:
+    """Seconds to wait after ``failures`` consecutive failures: 0.25 s doubling, at most 30 s."""
+    return float(min(30.0, 0.25 * 2 ** min(failures - 1, 10)))
+
+
+#: A background task that ran at least this long before failing starts its back-off afresh.
+_HEALTHY_RUN = 60.0
+
+
+async def supervise(name: str, run: Callable[[], Awaitable[None]], *, relay_id: str) -> None:
+    """Run a background loop of the relay for as long as the relay runs, whatever it raises.
+
+    The relay's background loops (writer, heartbeat, recoverer, LISTEN,
+    metrics) never return and handle the errors they expect themselves. Any
+    other error, or a return, would silently end the loop while the relay kept
+    serving without it: here it is logged with its traceback (action
+    ``task_restart``) and the loop starts again after a back-off.
+    """
+    failures = 0
+    while True:
+        began = time.monotonic()
+        try:
+            await run()
+            problem = "ended"
+        except Exception as exc:
+            problem = f"failed ({type(exc).__name__})"
+        if time.monotonic() - began > _HEALTHY_RUN:
+            failures = 0
+        failures += 1
+        delay = backoff_delay(failures)
+        log.error(
+            "relay task %s %s; restarting it in %.1fs",
+            name,
+            problem,
+            delay,
+            exc_info=problem != "ended",
+            extra={"action": "task_restart", "task": name, "relay_id": relay_id, "failures": failures},
+        )
+        await asyncio.sleep(delay)
+
+
+class Runtime:
+    """The shared context of one serve or drain; made on the event loop that runs it."""
+
+    def __init__(
+        self,
+        relay: Relay,
+        *,
+        outbox: Outbox,
+        store: Store,
+        routes: dict[str, Route],
+        redactor: Redactor,
+        rng: random.Random,
+        metrics: RelayMetrics | None,
+        poll_interval: float,
+    ) -> None:
+        self.relay = relay
+        self.id = relay.id
+        self.outbox = outbox
+        self.store = store
+        self.routes = routes
+        self.handlers = sorted(routes)
+        self.backoffs: dict[str, Backoff] = {r.name: r.backoff for r in routes.values()}
+        self.redactor = redactor
+        self.rng = rng
+        self.metrics = metrics
+        self.poll_interval = poll_interval
+        self.loop = asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+        self.force = asyncio.Event()
+        self.stop_requested = asyncio.Event()
+        self.stopping = False
+        self.result = DrainResult()
+        self._db_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="outbox-db")
+
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a short synchronous store call on the database threads."""
+        return await self.loop.run_in_executor(self._db_pool, lambda: fn(*args))
+
+    def request_stop(self, graceful: bool) -> None:
+        if self.stopping or not graceful:
+            self.force.set()
+        if not self.stopping:
+            log.info("stopping: no new claims", extra={"action": "stop", "relay_id": self.id})
+        self.stopping = True
+        self.stop_requested.set()
+        self.wake.set()
+
+    async def sleep(self, seconds: float, *, wakeable: bool = True) -> None:
+        """Wait for a wake-up (or, when backing off from an outage, only for a stop request)."""
+        waiter = self.wake if wakeable else self.stop_requested
+        try:
+            # asyncio.timeout, not wait_for: no extra Task on the commit-to-claim path.
+            async with asyncio.timeout(seconds):
+                await waiter.wait()
+        except TimeoutError:
+            pass
+
+    def close(self) -> None:
+        self._db_pool.shutdown(wait=True)

@@ -1,0 +1,234 @@
+"""The outcome writer: finished attempts, written back in batches, then announced.
+
+Deliveries hand their outcome to :meth:`OutcomeWriter.add`; one task writes
+whatever has gathered as one statement (PostgreSQL with psycopg: one round
+trip on a connection of the writer's own) or one transaction, so a burst of
+deliveries costs one write, not one per message. A failed batch is kept, in
+order, and written again: an outage delays the record, it never loses it.
+Only once a batch is written are its outcomes announced (log line, metrics,
+signals), so nothing is announced that the database does not hold.
+
+Until its outcome is written, a message's lease must stay renewed: the writer
+reports every id it still holds, buffered or being written, through
+:meth:`OutcomeWriter.held_ids`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+
+from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
+
+from outbox import Message, signals
+
+from .announce import send
+from .db import LoopConnection
+from .runtime import Runtime, backoff_delay, first_line, log
+from .store import Completion
+
+__all__ = ["OutcomeWriter"]
+
+Outcome = tuple[Message, Completion]
+
+
+class OutcomeWriter:
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._buffer: list[Outcome] = []
+        self._writing: list[Outcome] = []  # taken off the buffer, not yet known to be written
+        self._buffered = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._recorder = LoopConnection(rt.store.engine, "outbox-relay write") if rt.store.fast else None
+        #: called after each written batch: written outcomes free their delivery slots
+        self.on_written: Callable[[], None] = lambda: None
+
+    # -- what the others see ------------------------------------------------------
+
+    def add(self, message: Message, completion: Completion) -> None:
+        self._buffer.append((message, completion))
+        self._buffered.set()
+
+    def __len__(self) -> int:
+        """Outcomes not yet written: they still hold their delivery slot."""
+        return len(self._buffer)
+
+    def held_ids(self) -> list[int]:
+        """Messages whose outcome is not yet written: their leases must outlive the write."""
+        return [c.message_id for _, c in (*self._buffer, *self._writing)]
+
+    # -- the task -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            await self._buffered.wait()
+            try:
+                await self.write_pending()
+                failures = 0
+            except Exception as exc:
+                # Not only database errors: if this task died, outcomes would silently stop being
+                # recorded while leases lapse and every message is delivered again and again.
+                failures += 1
+                delay = backoff_delay(failures)
+                log.warning(
+                    "could not record %d outcome(s) (%s); retrying in %.1fs",
+                    len(self._buffer),
+                    first_line(exc),
+                    delay,
+                    exc_info=not isinstance(exc, SQLAlchemyError),
+                    extra={"action": "db_error", "relay_id": self._rt.id, "failures": failures},
+                )
+                await asyncio.sleep(delay)
+
+    async def write_pending(self) -> None:
+        async with self._lock:
+            self._buffered.clear()
+            batch, self._buffer = self._buffer, []
+            if not batch:
+                return
+            # A write can stall (a lock, a slow server) past the lease: its messages stay held.
+            self._writing = batch
+            try:
+                try:
+                    await self._record([c for _, c in batch])
+                except (DataError, IntegrityError, ProgrammingError) as exc:
+                    # Not an outage: the database refuses something in this batch. Retrying it
+                    # whole would stall every later outcome behind it, so find the culprit.
+                    await self._record_one_by_one(batch, exc)
+            except BaseException:
+                self._buffer[:0] = batch  # keep them, in order, for the next try
+                self._buffered.set()
+                raise
+            finally:
+                self._writing = []
+        self.on_written()
+        for message, completion in batch:
+            self._announce(message, completion)
+
+    async def close(self) -> None:
+        if self._recorder is not None:
+            await self._recorder.close()
+
+    # -- writing ------------------------------------------------------------------
+
+    async def _record(self, outcomes: list[Completion]) -> None:
+        if self._recorder is not None:
+            await self._rt.store.complete_on(self._recorder, outcomes)
+        else:
+            await self._rt.db(self._rt.store.complete, outcomes)
+
+    async def _record_one_by_one(self, batch: list[Outcome], refused: Exception) -> None:
+        """Record each outcome alone; one the database still refuses is recorded without its text.
+
+        Nothing is dropped: the attempt, its outcome and the message's next
+        status are kept, and the history says why its error and detail are missing.
+        """
+        written = 0
+        try:
+            for index, (message, completion) in enumerate(batch):
+                await self._record_alone(batch, index, message, completion)
+                written += 1
+        except BaseException:
+            # An outage halfway: what is written must not be buffered again (its history would
+            # be appended twice); the caller keeps the rest, and its list is this one.
+            announced = batch[:written]
+            del batch[:written]
+            for message, completion in announced:
+                self._announce(message, completion)
+            raise
+        log.warning(
+            "a batch of %d outcomes was refused (%s) and recorded one by one",
+            len(batch),
+            first_line(refused),
+            extra={"action": "db_error", "relay_id": self._rt.id},
+        )
+
+    async def _record_alone(
+        self, batch: list[Outcome], index: int, message: Message, completion: Completion
+    ) -> None:
+        """Record one outcome; if the database refuses it, record it without its text instead."""
+        try:
+            await self._record([completion])
+            return
+        except (DataError, IntegrityError, ProgrammingError) as exc:
+            reason = first_line(exc)
+        log.error(
+            "outcome of %s #%d was refused by the database (%s); recording it without its text",
+            message.event_type,
+            message.id,
+            reason,
+            extra={"action": "db_error", "message_id": message.id, "handler": message.handler},
+        )
+        plain = dataclasses.replace(
+            completion,
+            error_type=None if completion.error_type is None else "UnstorableError",
+            error=None if completion.error is None else "the error text could not be stored",
+            detail={"unstorable_outcome": reason[:500]},
+        )
+        batch[index] = (message, plain)
+        await self._record([plain])
+
+    # -- announcing ---------------------------------------------------------------
+
+    def _announce(self, message: Message, completion: Completion) -> None:
+        rt = self._rt
+        if rt.metrics is not None:
+            rt.metrics.observe(message, completion)
+        extra = {
+            "relay_id": rt.id,
+            "message_id": message.id,
+            "handler": message.handler,
+            "event_type": message.event_type,
+            "attempt": message.attempt,
+            "outcome": completion.outcome,
+        }
+        duration = (completion.finished_at - completion.started_at).total_seconds()
+        if completion.status == "delivered":
+            rt.result.delivered += 1
+            log.info(
+                "delivered %s #%d to %s (attempt %d, %.0f ms)",
+                message.event_type,
+                message.id,
+                message.handler,
+                message.attempt,
+                duration * 1000,
+                extra={"action": "deliver", **extra},
+            )
+            send(signals.message_delivered, rt.outbox, relay=rt.relay, message=message, duration=duration)
+        elif completion.status == "pending":
+            rt.result.retried += 1
+            log.warning(
+                "%s #%d to %s failed (%s: %s); retry in %.1fs",
+                message.event_type,
+                message.id,
+                message.handler,
+                completion.outcome,
+                completion.error,
+                completion.retry_in,
+                extra={"action": "retry", **extra},
+            )
+            send(
+                signals.retry_scheduled,
+                rt.outbox,
+                relay=rt.relay,
+                message=message,
+                outcome=completion.outcome,
+                delay=completion.retry_in,
+                error=completion.error,
+            )
+            if completion.retry_in < rt.poll_interval:
+                rt.loop.call_later(completion.retry_in, rt.wake.set)
+        else:
+            rt.result.dead += 1
+            log.error(
+                "%s #%d to %s is dead after attempt %d: %s",
+                message.event_type,
+                message.id,
+                message.handler,
+                message.attempt,
+                completion.error,
+                extra={"action": "dead", **extra},
+            )
+            send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=completion.error)
