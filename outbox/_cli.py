@@ -1,4 +1,4 @@
-"""The ``outbox`` command: migrations, audit and dead letters for the outbox tables.
+"""The ``outbox`` command: migrations, audit, dead letters and live history for the outbox tables.
 
 Exit codes: 0 success, 1 the operation failed (database unreachable, migration
 error, unknown id, refused action, or the reader of stdout went away, as in
@@ -8,11 +8,13 @@ representable in UTC), 130 interrupted (Ctrl-C).
 User mistakes get one line on stderr, never a traceback. Every subcommand takes
 ``--database-url`` (or ``OUTBOX_DATABASE_URL``).
 
-Bulk ``requeue`` and ``discard`` by filter ask for confirmation (``--yes``
+Bulk ``requeue``, ``discard`` and ``retry-now`` by filter ask for confirmation (``--yes``
 skips the question; without a terminal they refuse, exit 1). When the filter
 matches nothing they say so and exit 0 without asking: an empty dead-letter
 queue is not an error for a script. Answering anything but ``y``, or Ctrl-D
 (end of input) at the question, does nothing and exits 0.
+
+``tail`` runs until Ctrl-C (exit 0) or ``--count`` rows.
 
 ``--actor`` defaults to the login name; when the system cannot name the user
 (a container running as a uid with no passwd entry), to ``uid:<number>``.
@@ -21,6 +23,7 @@ queue is not an error for a script. Answering anything but ``y``, or Ctrl-D
 from __future__ import annotations
 
 import argparse
+import functools
 import getpass
 import json
 import os
@@ -37,6 +40,7 @@ from . import ops
 from ._argparse import OneLineParser
 from ._migrations import BRANCH, upgrade
 from ._payload import text_problem
+from ._tables import ATTEMPT_OUTCOMES
 
 __all__ = ["main"]
 
@@ -151,6 +155,23 @@ def _batch_size(value: str) -> int:
     return number
 
 
+def _where(value: str) -> ops.PayloadEquals:
+    try:
+        return ops.parse_where(_text(value))
+    except ops.WhereError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _interval(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0.01 <= seconds <= 3600:  # nan fails too
+        raise argparse.ArgumentTypeError(f"expected seconds from 0.01 to 3600, got {_shown(value)}")
+    return seconds
+
+
 def _add_database(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--database-url",
@@ -168,6 +189,14 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-key", type=_text)
     p.add_argument("--since", type=_timestamp, help="created at or after (ISO time, UTC if no zone)")
     p.add_argument("--before", type=_timestamp, help="created before (ISO time, UTC if no zone)")
+    p.add_argument(
+        "--where",
+        type=_where,
+        action="append",
+        default=[],
+        metavar="payload.PATH=VALUE",
+        help="payload value equals VALUE (JSON scalar, else text); repeatable, all must hold",
+    )
 
 
 def _filter(args: argparse.Namespace, ids: Sequence[int] = ()) -> ops.MessageFilter:
@@ -181,6 +210,7 @@ def _filter(args: argparse.Namespace, ids: Sequence[int] = ()) -> ops.MessageFil
         created_since=args.since,
         created_before=args.before,
         ids=tuple(ids),
+        payload=tuple(args.where),
     )
 
 
@@ -217,6 +247,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, verb in (
         ("requeue", "give dead or discarded messages a fresh start"),
         ("discard", "drop messages"),
+        ("retry-now", "make pending messages that wait out a backoff due now"),
     ):
         sub = commands.add_parser(
             name, help=verb, description=f"{verb[0].upper()}{verb[1:]}, with an audit record."
@@ -228,6 +259,32 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
         sub.add_argument("--yes", action="store_true", help="act on a filter without asking")
         sub.add_argument("--json", action="store_true")
+        if name == "retry-now":
+            sub.add_argument(
+                "--include-delayed",
+                action="store_true",
+                help="also messages emitted with a delay and never attempted",
+            )
+
+    tail = commands.add_parser(
+        "tail",
+        help="follow deliveries and failures as they are recorded",
+        description="Print each new history row (outbox_attempt) as it is written, until Ctrl-C.",
+    )
+    _add_database(tail)
+    tail.add_argument("--handler", type=_text, help="route name")
+    tail.add_argument("--event-type", type=_text)
+    tail.add_argument("--queue", type=_text)
+    tail.add_argument("--outcome", action="append", default=[], choices=ATTEMPT_OUTCOMES, help="repeatable")
+    tail.add_argument("--message-id", type=_message_id, help="one message's history")
+    start = tail.add_mutually_exclusive_group()
+    start.add_argument("--since", type=_timestamp, help="start with attempts started at or after (ISO time)")
+    start.add_argument("--last", type=_count, metavar="N", help="start with the N newest rows")
+    tail.add_argument("--count", type=_count, metavar="N", help="stop after N rows")
+    tail.add_argument(
+        "--interval", type=_interval, default=0.5, metavar="SECONDS", help="poll interval (default: 0.5)"
+    )
+    tail.add_argument("--json", action="store_true", help="one JSON object per line")
 
     purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
     _add_database(purge)
@@ -364,7 +421,12 @@ def _confirm(count: int, verb: str, args: argparse.Namespace) -> bool:
 
 
 def _print_acted(args: argparse.Namespace, done: Sequence[Any]) -> None:
-    if args.command == "requeue":
+    if args.command == "retry-now":
+        if args.json:
+            _print_json({"retried_now": list(done)})
+        else:
+            print(f"{len(done)} message(s) due now" + (f": {', '.join(map(str, done))}" if done else ""))
+    elif args.command == "requeue":
         if args.json:
             _print_json([{"old_id": old, "new_id": new} for old, new in done])
             return
@@ -383,7 +445,8 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
     if not args.ids:
         if where.empty:
             raise _Failed(f"give message ids or a filter; {args.command} never acts on everything")
-        count = ops.count_candidates(engine, where, args.command)
+        include_delayed = getattr(args, "include_delayed", False)
+        count = ops.count_candidates(engine, where, args.command, include_delayed=include_delayed)
         if count == 0 and not args.yes:
             # Nothing to confirm; acting anyway could touch rows that matched since the count.
             if args.json:
@@ -394,10 +457,64 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
         if not _confirm(count, args.command, args):
             print("nothing done")
             return 0
-    if args.command == "requeue":
+    if args.command == "retry-now":
+        acted = ops.retry_now(
+            engine, where, reason=args.reason, actor=actor, include_delayed=args.include_delayed
+        )
+        _print_acted(args, acted)
+    elif args.command == "requeue":
         _print_acted(args, ops.requeue(engine, where, reason=args.reason, actor=actor))
     else:
         _print_acted(args, ops.discard(engine, where, reason=args.reason, actor=actor))
+    return 0
+
+
+def _tail_line(entry: ops.HistoryEntry) -> str:
+    """One history row on one line: when, which message and route, what happened, and why."""
+    said = (entry.error if entry.error_type is None else f"{entry.error_type}: {entry.error or ''}") or ""
+    if entry.actor is not None:  # an operator's action
+        said = f"by {entry.actor}: {entry.reason or ''}"
+    first_line = said.strip().splitlines()[0] if said.strip() else ""
+    fields = [
+        entry.time.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
+        f"#{entry.message_id}",
+        entry.handler or "-",
+        entry.event_type or "-",
+        f"attempt {entry.attempt}",
+        entry.outcome,
+        "-" if entry.duration_ms is None else f"{entry.duration_ms}ms",
+        first_line[:300],
+    ]
+    return "  ".join(fields).rstrip()
+
+
+def _cmd_tail(engine: Engine, args: argparse.Namespace) -> int:
+    where = ops.HistoryFilter(
+        handler=args.handler,
+        event_type=args.event_type,
+        queue=args.queue,
+        outcomes=tuple(args.outcome),
+        message_id=args.message_id,
+    )
+    shown = make_url(args.database_url).render_as_string(hide_password=True)
+
+    def ready() -> None:  # on stderr, so stdout stays rows only; scripts and tests wait for it
+        print(f"{PROG} tail: following the history of {shown} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    rows = ops.follow_history(
+        engine, where, since=args.since, last=args.last or 0, interval=args.interval, ready=ready
+    )
+    printed = 0
+    dumps = functools.partial(json.dumps, default=str, sort_keys=True)
+    try:
+        for entry in rows:
+            print(dumps(entry.as_dict()) if args.json else _tail_line(entry))
+            sys.stdout.flush()  # a reader at the other end of a pipe sees each row as it happens
+            printed += 1
+            if args.count is not None and printed >= args.count:
+                break
+    except KeyboardInterrupt:  # how a follow normally ends
+        pass
     return 0
 
 
@@ -423,6 +540,8 @@ _COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "show": _cmd_show,
     "requeue": _cmd_act,
     "discard": _cmd_act,
+    "retry-now": _cmd_act,
+    "tail": _cmd_tail,
     "purge": _cmd_purge,
 }
 

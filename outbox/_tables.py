@@ -50,6 +50,7 @@ ATTEMPT_OUTCOMES: Final = (
     "lease_expired",
     "requeued",
     "discarded",
+    "retried_now",
 )
 
 #: Deterministic constraint names, so migrations and autogenerate agree on them.

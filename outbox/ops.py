@@ -1,4 +1,4 @@
-"""Operations on stored messages: stats, listing, inspection, requeue, discard, retention.
+"""Operations on stored messages: stats, listing, inspection, requeue, discard, retry-now, retention.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -35,23 +35,32 @@ from ._exceptions import OutboxError
 from ._redact import Redactor
 from ._retention import history_purge_allowed
 from ._tables import outbox_attempt, outbox_message, outbox_retention_run
+from ._tail import HistoryEntry, HistoryFilter, follow_history
+from ._where import PayloadEquals, WhereError, parse_where
 
 __all__ = [
     "MAX_PURGE_BATCH",
     "MIN_HISTORY_AGE",
+    "HistoryEntry",
+    "HistoryFilter",
     "MessageFilter",
     "NotFound",
     "OpsError",
+    "PayloadEquals",
     "PurgeResult",
     "Stats",
+    "WhereError",
     "count_candidates",
     "discard",
+    "follow_history",
     "list_messages",
     "parse_duration",
+    "parse_where",
     "purge",
     "requeue",
     "requeue_candidates",
     "requeued_key",
+    "retry_now",
     "show",
     "stats",
 ]
@@ -203,7 +212,11 @@ def stats(engine: Engine) -> Stats:
 
 @dataclass(frozen=True, slots=True)
 class MessageFilter:
-    """Equality filters plus a created-at window; every field optional."""
+    """Equality filters plus a created-at window; every field optional, all of them must hold.
+
+    ``payload`` holds conditions on values inside the payload
+    (:func:`parse_where` reads the command line's ``payload.PATH=VALUE``).
+    """
 
     status: str | None = None
     handler: str | None = None
@@ -214,6 +227,7 @@ class MessageFilter:
     created_since: datetime | None = None
     created_before: datetime | None = None
     ids: Sequence[int] = field(default_factory=tuple)
+    payload: Sequence[PayloadEquals] = field(default_factory=tuple)
 
     def apply(self, stmt: Select[Any]) -> Select[Any]:
         from ._tables import MESSAGE_STATUSES
@@ -236,11 +250,29 @@ class MessageFilter:
             stmt = stmt.where(m.c.created_at < literal(self.created_before, m.c.created_at.type))
         if self.ids:
             stmt = stmt.where(m.c.id.in_(list(self.ids)))
+        for condition in self.payload:
+            stmt = stmt.where(condition.condition())
         return stmt
 
     @property
     def empty(self) -> bool:
-        return self == MessageFilter()
+        return not (
+            self.ids
+            or self.payload
+            or any(
+                v is not None
+                for v in (
+                    self.status,
+                    self.handler,
+                    self.event_type,
+                    self.queue,
+                    self.key,
+                    self.group_key,
+                    self.created_since,
+                    self.created_before,
+                )
+            )
+        )
 
 
 def list_messages(
@@ -384,14 +416,16 @@ def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
     }
 
 
-def _candidates(where: MessageFilter, verb: str) -> Select[Any]:
+def _candidates(where: MessageFilter, verb: str, include_delayed: bool = False) -> Select[Any]:
     if where.empty:
         raise OpsError(f"refusing to {verb} every message: give ids or a filter")
     if verb == "requeue":
         return where.apply(select(m.c.id)).where(m.c.status.in_(REQUEUABLE), ~_has_copy())
     if verb == "discard":
         return where.apply(select(m.c.id)).where(m.c.status.in_(DISCARDABLE))
-    raise OpsError(f"unknown action {verb!r}; one of requeue, discard")
+    if verb in ("retry-now", "retry_now"):
+        return where.apply(select(m.c.id)).where(*_waiting(_now(), include_delayed))
+    raise OpsError(f"unknown action {verb!r}; one of requeue, discard, retry-now")
 
 
 def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
@@ -400,15 +434,17 @@ def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
         return list(conn.execute(_candidates(where, "requeue").order_by(m.c.id)).scalars())
 
 
-def count_candidates(engine: Engine, where: MessageFilter, verb: str) -> int:
-    """How many messages a filter-based ``requeue`` or ``discard`` (``verb``) would act on now.
+def count_candidates(
+    engine: Engine, where: MessageFilter, verb: str, *, include_delayed: bool = False
+) -> int:
+    """How many messages a filter-based ``requeue``, ``discard`` or ``retry-now`` (``verb``) would act on now.
 
     What a confirmation prompt counts, without loading the rows.
+    ``include_delayed`` is :func:`retry_now`'s.
     """
+    candidates = _candidates(where, verb, include_delayed).subquery()
     with engine.connect() as conn:
-        return int(
-            conn.execute(select(func.count()).select_from(_candidates(where, verb).subquery())).scalar_one()
-        )
+        return int(conn.execute(select(func.count()).select_from(candidates)).scalar_one())
 
 
 def _record_action(
@@ -549,6 +585,129 @@ def discard(
     for conn, batch in _filtered_batches(engine, where, DISCARDABLE, "discard", columns, batch_size):
         done += [r.id for r in batch if _discard_one(conn, r, actor, reason, now)]
     return done
+
+
+def _tried() -> ColumnElement[bool]:
+    """True for an ``outbox_message`` row with history: attempted before (ix_outbox_attempt_message_id)."""
+    return select(a.c.id).where(a.c.message_id == m.c.id).exists()
+
+
+def _waiting(now: datetime, include_delayed: bool) -> list[ColumnElement[bool]]:
+    """Pending and not due yet; unless ``include_delayed``, also attempted before (a backoff, not a delay)."""
+    waiting = [m.c.status == "pending", m.c.available_at > literal(now, m.c.available_at.type)]
+    return waiting if include_delayed else [*waiting, _tried()]
+
+
+def _make_due(
+    conn: Connection, rows: Sequence[Row[Any]], actor: str, reason: str, now: datetime
+) -> list[int]:
+    """Make those of ``rows`` still waiting due at ``now``, each with a history row; returns their ids."""
+    if not rows:
+        return []
+    due = set(
+        conn.execute(
+            update(m)
+            .where(
+                m.c.id.in_([r.id for r in rows]),
+                m.c.status == "pending",
+                m.c.available_at > literal(now, m.c.available_at.type),
+            )
+            .values(available_at=now, updated_at=now)
+            .returning(m.c.id)
+        ).scalars()
+    )
+    for row in rows:
+        if row.id in due:
+            due_at = row.available_at.isoformat()
+            _record_action(conn, row, "retried_now", actor, reason, now, was_due_at=due_at)
+    if due and conn.dialect.name == "postgresql":
+        # An UPDATE does not fire the NOTIFY trigger (it is on INSERT): wake the relays ourselves.
+        conn.execute(text("SELECT pg_notify('outbox', current_schema())"))
+    return sorted(due)
+
+
+def retry_now(
+    engine: Engine,
+    where: MessageFilter,
+    *,
+    reason: str,
+    actor: str,
+    include_delayed: bool = False,
+    batch_size: int = ACTION_BATCH,
+) -> list[int]:
+    """Make pending messages that wait out a backoff due now; returns their ids, in id order.
+
+    A message a relay attempted before (it has history) and whose
+    ``available_at`` lies in the future gets ``available_at`` = now and a
+    ``retried_now`` history row naming the actor, the reason and
+    ``detail.was_due_at``. Its attempt count, priority, queue and group stay as
+    they are: it is the same message, retried sooner. On PostgreSQL the relays
+    are woken at once (NOTIFY on the channel they listen on).
+
+    A message emitted with a ``delay`` and never attempted is left alone, since
+    someone asked for that delay: ``include_delayed=True`` pulls those forward
+    too. Running, delivered, dead and discarded messages, and pending ones
+    already due, are never touched.
+
+    Named ids are acted on in one transaction, all or none: each must be
+    waiting. A filter works in batches of ``batch_size``, each its own
+    transaction, and never reads, locks or changes a message in another status
+    than pending.
+    """
+    _check_reason(reason, actor)
+    _check_batch_size(batch_size)
+    now = _now()
+    columns = [m.c.id, m.c.status, m.c.attempts, m.c.available_at]
+    waiting = _waiting(now, include_delayed)
+    if where.ids:
+        with engine.begin() as conn:
+            targets = _named_waiting(conn, where, now, include_delayed, columns)
+            done = _make_due(conn, targets, actor, reason, now)
+            if len(done) != len(targets):  # SQLite takes no row locks: a relay may have claimed one since
+                changed = sorted({r.id for r in targets} - set(done))
+                raise OpsError(f"message {', '.join(map(str, changed))} changed meanwhile; try again")
+            return done
+    acted: list[int] = []
+    batches = _filtered_batches(engine, where, ("pending",), "retry-now", columns, batch_size, *waiting)
+    for conn, batch in batches:
+        acted += _make_due(conn, batch, actor, reason, now)
+    return acted
+
+
+def _named_waiting(
+    conn: Connection, where: MessageFilter, now: datetime, include_delayed: bool, columns: Sequence[Any]
+) -> list[Row[Any]]:
+    """The rows of named ids, locked; each must be waiting (see :func:`retry_now`), or none is acted on.
+
+    As in :func:`_named`, statuses are read without a lock and only waiting rows are locked.
+    """
+    state = select(m.c.id, m.c.status, m.c.available_at, _tried().label("tried"))
+    found = {r.id: r for r in conn.execute(where.apply(state))}
+    missing = [i for i in where.ids if i not in found]
+    if missing:
+        raise NotFound(f"no message with id {', '.join(map(str, missing))}")
+    wrong: list[str] = []
+    for i, r in sorted(found.items()):
+        if r.status != "pending":
+            wrong.append(f"{i} ({r.status})")
+        elif r.available_at <= now:
+            wrong.append(f"{i} (due already)")
+        elif not include_delayed and not r.tried:
+            wrong.append(f"{i} (delayed at emit, never attempted)")
+    if wrong:
+        delayed = any("delayed" in w for w in wrong)
+        hint = "; include delayed messages to pull those forward" if delayed else ""
+        raise OpsError(
+            f"can only retry-now pending messages waiting to be retried; not {', '.join(wrong)}{hint}"
+        )
+    stmt = where.apply(select(*columns)).where(*_waiting(now, include_delayed)).order_by(m.c.id)
+    if conn.dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    rows = list(conn.execute(stmt))
+    changed = sorted(set(found) - {r.id for r in rows})
+    if changed:  # a relay claimed it, or another operator acted, between the two reads
+        raise OpsError(f"message {', '.join(map(str, changed))} changed meanwhile; try again")
+    return rows
 
 
 #: The youngest history a purge may delete. On PostgreSQL the purge functions enforce it.

@@ -285,3 +285,51 @@ def test_postgresql_triggers_cover_every_write_they_guard(pg_url):
     guarded = " ".join(d for d in triggers.values() if "outbox_attempt_append_only" in d)
     for operation in ("UPDATE", "DELETE", "TRUNCATE"):
         assert operation in guarded, triggers
+
+
+def test_the_retried_now_outcome_keeps_sqlite_history_its_triggers_and_ids(tmp_path):
+    """outbox_0009 rebuilds outbox_attempt on SQLite: rows, append-only triggers and ids survive."""
+    url = f"sqlite:///{tmp_path / 'history.db'}"
+    outbox.upgrade(url, "outbox_0008")
+    engine = create_engine(url)
+    insert_row = (
+        "INSERT INTO outbox_attempt (id, message_id, attempt, outcome, started_at)"
+        " VALUES (:id, 1, 1, :o, '2026-12-01')"
+    )
+    try:
+        with engine.begin() as conn:
+            for row_id, outcome in ((1, "failed"), (2, "delivered"), (10, "requeued")):
+                conn.execute(text(insert_row), {"id": row_id, "o": outcome})
+            before = conn.execute(text("SELECT * FROM outbox_attempt ORDER BY id")).all()
+        with pytest.raises(Exception, match="CHECK constraint failed"), engine.begin() as conn:
+            conn.execute(text(insert_row), {"id": None, "o": "retried_now"})
+
+        assert outbox.upgrade(url) == ["outbox_0009"]
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT * FROM outbox_attempt ORDER BY id")).all() == before
+            conn.execute(text(insert_row), {"id": None, "o": "retried_now"})
+            assert conn.execute(text("SELECT max(id) FROM outbox_attempt")).scalar_one() == 11
+        for statement, refusal in (
+            ("UPDATE outbox_attempt SET outcome = 'dead'", "UPDATE is not allowed"),
+            ("DELETE FROM outbox_attempt", "outbox_purge_in_progress"),  # refused before any row
+            (
+                "INSERT OR REPLACE INTO outbox_attempt (id, message_id, attempt, outcome, started_at)"
+                " VALUES (1, 1, 1, 'dead', '2026-12-01')",
+                "may not rewrite an existing row",
+            ),
+        ):
+            with pytest.raises(Exception, match=refusal), engine.begin() as conn:
+                conn.execute(text(statement))
+        with engine.begin() as conn:  # outbox_0008's guard of the unique key survives too
+            conn.execute(
+                text(
+                    "INSERT OR REPLACE INTO outbox_attempt (message_id, attempt, outcome, started_at)"
+                    " VALUES (1, 1, 'delivered', '2026-12-01')"
+                )
+            )
+            kept = conn.execute(text("SELECT * FROM outbox_attempt WHERE id <= 10 ORDER BY id")).all()
+            assert kept == before
+    finally:
+        engine.dispose()
+    with pytest.raises(RuntimeError, match="1 history row"):
+        outbox._migrations.downgrade(url, "outbox_0008")

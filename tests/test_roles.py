@@ -214,6 +214,15 @@ def test_the_guides_roles_do_their_jobs_and_nothing_more(roles, pg_engine, reque
 
     out = ok(run("requeue", str(dead), "--reason", "XYZ added", "--actor", "alice", database_url=url))
     (copy,) = map(int, re.findall(rf"^requeued {dead} as (\d+)$", out, re.M))
+    # retry-now: an UPDATE of the message, an appended history row and a NOTIFY, nothing more.
+    rushed = ok_json(
+        run("retry-now", str(later), "--include-delayed", "--reason", "rush", "--json", database_url=url)
+    )
+    assert rushed == {"retried_now": [later]}
+    (followed,) = ok(run("tail", "--last", "1", "--count", "1", "--json", database_url=url)).splitlines()
+    assert '"outcome": "retried_now"' in followed
+    where = ["--where", "payload.order_id=3", "--json"]
+    assert [r["id"] for r in ok_json(run("list", *where, database_url=url))] == [later]
     ok(run("discard", str(later), "--reason", "order cancelled", "--actor", "alice", database_url=url))
     assert ok_json(run("stats", "--json", database_url=url))["dead"] == 0
 
