@@ -55,7 +55,9 @@ def aggregate_identity(instance: Any) -> str | None:
     column: longer than 255 characters as text, or text PostgreSQL refuses.
     """
     state = inspect(instance)
-    values = state.mapper.primary_key_from_instance(instance)
+    # A persistent object's key is in its identity: reading the attributes instead would load an
+    # expired object (after a commit), which an AsyncSession refuses outside its greenlet.
+    values = state.key[1] if state.key is not None else state.mapper.primary_key_from_instance(instance)
     if any(value is None for value in values):
         return None
     what = f"the primary key of this {type(instance).__name__} (the event's aggregate_id)"

@@ -790,43 +790,48 @@ def test_an_interrupted_drain_hands_back_claims_whose_delivery_never_began(engin
 
 # -- the delivery promise against misbehaving receivers and lost replies ---------------------------------
 
-@pytest.mark.parametrize("path", ["store", "loop_connection"])
-def test_an_outcome_batch_written_twice_leaves_one_history_row_per_attempt(engine, ob, maker, path):
-    """A batch whose COMMIT succeeded but whose reply was lost is sent again by the writer."""
-    from outbox.relay.db import LoopConnection
+def test_an_outcome_batch_written_twice_leaves_one_history_row_per_attempt(engine, ob, maker):
+    """A batch whose COMMIT succeeded but whose reply was lost is sent again by the writer.
+
+    Both write paths: the store's (every database) and, on PostgreSQL, the relay's own connection.
+    """
     from outbox.relay.store import Completion, utcnow
 
-    if path == "loop_connection" and engine.dialect.name != "postgresql":
-        pytest.skip("the relay's own connection is PostgreSQL with psycopg only")
     ob.route("e", lambda msg: None, name="r")
-    emit_many(maker, "e", [{"n": 1}, {"n": 2}])
     relay = Relay(ob, engine, relay_id="writer")
-    rows = relay.store.claim("default", ["r"], 10)
-    now = utcnow()
-    batch = [
-        Completion(r.id, r.attempts, "delivered", "delivered", started_at=now, finished_at=now) for r in rows
-    ]
-    batch[1] = Completion(
-        rows[1].id, rows[1].attempts, "failed", "pending", now, now, retry_in=60.0, error="boom"
-    )
-    if path == "store":
-        relay.store.complete(batch)
-        relay.store.complete(batch)
-    else:
+    paths = ["store", "loop_connection"] if engine.dialect.name == "postgresql" else ["store"]
+    for path in paths:
+        emit_many(maker, "e", [{"n": 1}, {"n": 2}])
+        rows = relay.store.claim("default", ["r"], 10)
+        assert len(rows) == 2
+        now = utcnow()
+        first, second = rows
+        batch = [
+            Completion(first.id, first.attempts, "delivered", "delivered", started_at=now, finished_at=now),
+            Completion(second.id, second.attempts, "failed", "pending", now, now, retry_in=60.0, error="x"),
+        ]
+        if path == "store":
+            relay.store.complete(batch)
+            relay.store.complete(batch)
+        else:
+            asyncio.run(_complete_twice_on_a_loop_connection(relay, engine, batch))
+        ids = {first.id, second.id}
+        written = sorted((h.message_id, h.attempt, h.outcome) for h in history(engine) if h.message_id in ids)
+        assert written == sorted([(first.id, 1, "delivered"), (second.id, 1, "failed")]), path
+        with engine.connect() as conn:
+            now_status = dict(conn.execute(select(m.c.id, m.c.status).where(m.c.id.in_(ids))).all())
+        assert now_status == {first.id: "delivered", second.id: "pending"}, path
 
-        async def twice() -> None:
-            conn = LoopConnection(engine, "test write")
-            try:
-                await relay.store.complete_on(conn, batch)
-                await relay.store.complete_on(conn, batch)
-            finally:
-                await conn.close()
 
-        asyncio.run(twice())
-    assert sorted((h.message_id, h.attempt, h.outcome) for h in history(engine)) == sorted(
-        [(rows[0].id, 1, "delivered"), (rows[1].id, 1, "failed")]
-    )
-    assert sorted(statuses(engine).values()) == ["delivered", "pending"]
+async def _complete_twice_on_a_loop_connection(relay: Relay, engine: Engine, batch: list[Any]) -> None:
+    from outbox.relay.db import LoopConnection
+
+    conn = LoopConnection(engine, "test write")
+    try:
+        await relay.store.complete_on(conn, batch)
+        await relay.store.complete_on(conn, batch)
+    finally:
+        await conn.close()
 
 
 def _expire(engine: Engine, message_id: int, relay_id: str = "ghost") -> None:
