@@ -32,15 +32,16 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from . import ops
 from ._argparse import OneLineParser
+from ._exceptions import ConfigurationError
 from ._migrations import BRANCH, upgrade
 from ._payload import text_problem
 from ._tables import ATTEMPT_OUTCOMES
+from ._urls import check_url, sync_engine
 
 __all__ = ["main"]
 
@@ -315,6 +316,10 @@ def _database_url(parser: argparse.ArgumentParser, value: str | None) -> str:
         make_url(value)
     except ArgumentError:
         parser.error(f"--database-url {value!r} is not a SQLAlchemy database URL")
+    try:
+        check_url(value)
+    except ConfigurationError as error:
+        parser.error(f"--database-url: {error}")
     return value
 
 
@@ -571,7 +576,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG} migrate: {shown} was already at {args.revision}; nothing to apply")
         return 0
     try:
-        engine = create_engine(url)
+        engine = sync_engine(url)
+    except ConfigurationError as error:
+        print(f"{PROG} {args.command}: {error}", file=sys.stderr)
+        return 2
     except Exception as error:
         print(f"{PROG} {args.command}: cannot use {shown}: {_one_line(error)}", file=sys.stderr)
         return 2

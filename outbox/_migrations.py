@@ -9,13 +9,19 @@ the installed package alone can migrate a database.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, create_engine, inspect, text
+from sqlalchemy import URL, Connection, Engine, inspect, text
 from sqlalchemy.pool import NullPool
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    _Target = str | URL | Engine | AsyncEngine | Connection
 
 from ._exceptions import ConfigurationError
 from ._tables import metadata
+from ._urls import sync_engine
 
 __all__ = [
     "BRANCH",
@@ -122,7 +128,7 @@ def _adopt_legacy_version(connection: Connection) -> None:
     connection.execute(text(f"DROP TABLE {_LEGACY_VERSION_TABLE}"))
 
 
-def _run(target: str | Engine | Connection, action: Any) -> tuple[set[str], set[str]]:
+def _run(target: _Target, action: Any) -> tuple[set[str], set[str]]:
     """Run an Alembic command on the branch; returns the revisions recorded before and after."""
 
     def on(connection: Connection) -> tuple[set[str], set[str]]:
@@ -133,17 +139,20 @@ def _run(target: str | Engine | Connection, action: Any) -> tuple[set[str], set[
 
     if isinstance(target, Connection):
         return on(target)
-    engine = create_engine(target, poolclass=NullPool) if isinstance(target, str) else target
+    engine = sync_engine(target, poolclass=NullPool)
     try:
         with engine.begin() as connection:
             return on(connection)
     finally:
-        if isinstance(target, str):
+        if engine is not target:
             engine.dispose()
 
 
-def upgrade(target: str | Engine | Connection, revision: str = f"{BRANCH}@head") -> list[str]:
-    """Create or upgrade the outbox tables (a database URL, an Engine or a Connection).
+def upgrade(target: _Target, revision: str = f"{BRANCH}@head") -> list[str]:
+    """Create or upgrade the outbox tables (a database URL, an Engine, an AsyncEngine or a Connection).
+
+    An async URL or AsyncEngine is migrated through the matching synchronous
+    driver (``postgresql+psycopg`` or ``sqlite``), with the same connection settings.
 
     Returns the revisions applied, oldest first (empty when already there).
     """
@@ -153,7 +162,7 @@ def upgrade(target: str | Engine | Connection, revision: str = f"{BRANCH}@head")
     return _between(before, after)
 
 
-def downgrade(target: str | Engine | Connection, revision: str = f"{BRANCH}@base") -> None:
+def downgrade(target: _Target, revision: str = f"{BRANCH}@base") -> None:
     """Undo outbox migrations down to ``revision`` (by default: drop the outbox tables)."""
     from alembic import command
 

@@ -31,6 +31,7 @@ from outbox import ConfigurationError, Outbox
 from outbox._argparse import OneLineParser
 from outbox._payload import text_problem
 from outbox._routes import check_name
+from outbox._urls import check_url
 
 from .logs import configure
 from .metrics import RelayMetrics
@@ -265,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         make_url(args.database_url)
     except ArgumentError:
         parser.error(f"--database-url {args.database_url!r} is not a SQLAlchemy database URL")
+    try:
+        check_url(args.database_url)
+    except ConfigurationError as exc:
+        parser.error(f"--database-url: {exc}")
     if args.queues is None and args.env_queues:
         try:
             args.env_queues = [_name("queue")(q) for q in args.env_queues]

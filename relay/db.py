@@ -15,11 +15,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import create_engine
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from outbox import ConfigurationError
+from outbox._urls import sync_engine
 
 __all__ = ["CHANNEL", "Listener", "LoopConnection", "make_engine", "supports_listen"]
 
@@ -28,21 +27,15 @@ CHANNEL = "outbox"
 log = logging.getLogger("outbox.relay")
 
 
-def make_engine(target: Engine | str | URL) -> Engine:
-    """The caller's engine as is, or one built from a URL with settings a long-lived process needs."""
-    if isinstance(target, Engine):
-        return target
-    try:
-        url = make_url(target)
-    except Exception as exc:  # sqlalchemy raises ArgumentError with a decent message
-        raise ConfigurationError(f"invalid database URL: {exc}") from None
-    try:
-        # No pre-ping: it would cost a round trip per statement on the hot path.
-        # After a server restart the first statement fails as a disconnect,
-        # SQLAlchemy invalidates the whole pool, and the relay retries.
-        return create_engine(url)
-    except Exception as exc:
-        raise ConfigurationError(f"cannot use database URL {url.render_as_string()}: {exc}") from None
+def make_engine(target: Any) -> Engine:
+    """A synchronous engine for an Engine, an AsyncEngine or a URL (see ``outbox._urls``).
+
+    A synchronous Engine is used as it is; otherwise the relay owns the engine
+    it gets. No pre-ping: it would cost a round trip per statement on the hot
+    path. After a server restart the first statement fails as a disconnect,
+    SQLAlchemy invalidates the whole pool, and the relay retries.
+    """
+    return sync_engine(target)
 
 
 def supports_listen(engine: Engine) -> bool:

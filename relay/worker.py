@@ -34,11 +34,14 @@ import socket
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, signals
 from outbox._redact import Redactor
@@ -91,12 +94,16 @@ class Relay:
     ``run()`` serves until stopped (SIGTERM/SIGINT when ``install_signal_handlers``
     is set, or :meth:`stop` from any thread); ``run_until_idle()`` delivers what is
     due and returns, for tests, scripts and ``outbox-relay --once``.
+
+    ``database`` is an Engine, an ``AsyncEngine`` or a URL. An async one
+    (asyncpg, psycopg's async mode, aiosqlite) is served through the matching
+    synchronous driver, connecting with the same settings (see ``outbox._urls``).
     """
 
     def __init__(
         self,
         outbox: Outbox,
-        database: Engine | str | URL,
+        database: Engine | AsyncEngine | str | URL,
         *,
         queues: Iterable[str] | None = None,
         concurrency: int = 10,
@@ -134,8 +141,8 @@ class Relay:
             for q, n in (queue_concurrency or {}).items()
         }
         self.id = check_name("relay_id", relay_id) if relay_id is not None else _default_relay_id()
-        self._owns_engine = not isinstance(database, Engine)
         self.engine = make_engine(database)
+        self._owns_engine = self.engine is not database
         self.listen = listen and supports_listen(self.engine)
         self.store = Store(self.engine, self.id, lease=self.lease, group_policy=group_policy)
         self._routes = {r.name: r for r in outbox.routes}
