@@ -112,10 +112,10 @@ def sync_engine(target: Any, **engine_options: Any) -> Engine:
     which the caller owns (and disposes); ``engine_options`` go to
     ``create_engine`` for it.
     """
-    from sqlalchemy.ext.asyncio import AsyncEngine
-
-    if isinstance(target, AsyncEngine):
-        target = target.sync_engine
+    # Duck-typed: importing sqlalchemy.ext.asyncio needs greenlet, which sync apps may not have.
+    inner = getattr(target, "sync_engine", None)
+    if isinstance(inner, Engine):
+        target = inner
     if isinstance(target, Engine):
         if not target.dialect.is_async:
             return target
