@@ -19,6 +19,7 @@ from ._ops_base import (
     m,
 )
 from ._ops_filters import MessageFilter
+from ._pause import Pause, PauseSpan, paused_on, spans_over
 from ._redact import Redactor
 
 
@@ -42,6 +43,8 @@ class Stats:
     dead_requeued: int = 0  # dead, with a requeued copy
     # per queue: pending (due or not, retries included) or running messages, from created_at
     oldest_unfinished_age_s: dict[str, float] = field(default_factory=dict)
+    # queues and handlers paused now, oldest first, each with the pending messages it holds back
+    paused: list[Pause] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,7 @@ class Stats:
             "failed_last_hour": self.failed_last_hour,
             "dead": self.dead,
             "dead_requeued": self.dead_requeued,
+            "paused": [p.as_dict() for p in self.paused],
         }
 
 
@@ -98,6 +102,7 @@ def stats(engine: Engine) -> Stats:
                 .group_by(a.c.outcome)
             ).all()
         )
+        paused = paused_on(conn)
     failed = sum(outcomes.get(o, 0) for o in ("retry", "failed", "timeout", "dead", "lease_expired"))
     return Stats(
         by_status=by_status,
@@ -108,6 +113,7 @@ def stats(engine: Engine) -> Stats:
         dead=dead_total - dead_requeued,
         dead_requeued=dead_requeued,
         oldest_unfinished_age_s=unfinished,
+        paused=paused,
     )
 
 
@@ -144,17 +150,32 @@ def list_messages(
 class MessageHistory:
     message: dict[str, Any]
     attempts: list[dict[str, Any]]
+    #: pauses of its queue or handler while it was unfinished (from outbox_pause_log)
+    pauses: list[PauseSpan] = field(default_factory=list)
 
 
 def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> MessageHistory:
-    """A message (payload and headers with secret-looking fields masked) and its attempts in order."""
+    """A message (payload and headers with secret-looking fields masked), its attempts in order, its pauses.
+
+    ``pauses`` are the pauses of the message's queue or handler that overlapped
+    its unfinished life (from ``created_at`` to its last update once delivered,
+    dead or discarded; to now otherwise), read from the pause log: nothing is
+    written per message when a queue is paused.
+    """
     redactor = Redactor(secrets)
     with engine.connect() as conn:
         row = conn.execute(select(m).where(m.c.id == message_id)).first()
         if row is None:
             raise NotFound(f"no message with id {message_id}")
         attempts = list(conn.execute(select(a).where(a.c.message_id == message_id).order_by(a.c.id)))
+        finished = row.status in ("delivered", "dead", "discarded")
+        pauses = spans_over(
+            conn,
+            [("queue", row.queue), ("handler", row.handler)],
+            row.created_at,
+            row.updated_at if finished else None,
+        )
     message = dict(row._mapping)
     message["payload"] = redactor.value(message["payload"])
     message["headers"] = redactor.value(message["headers"])
-    return MessageHistory(message=message, attempts=[dict(r._mapping) for r in attempts])
+    return MessageHistory(message=message, attempts=[dict(r._mapping) for r in attempts], pauses=pauses)

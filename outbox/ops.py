@@ -1,4 +1,4 @@
-"""Operations on stored messages: stats, listing, inspection, requeue, discard, retry-now, retention.
+"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -12,6 +12,7 @@ from ._ops_actions import discard, requeue, requeued_key, retry_now
 from ._ops_base import NotFound, OpsError, parse_duration
 from ._ops_filters import MessageFilter, count_candidates, requeue_candidates
 from ._ops_read import MessageHistory, Stats, list_messages, show, stats
+from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
 from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
 from ._tail import HistoryEntry, HistoryFilter, follow_history
 from ._where import PayloadEquals, WhereError, parse_where
@@ -23,8 +24,12 @@ __all__ = [
     "HistoryFilter",
     "MessageFilter",
     "MessageHistory",
+    "NotPaused",
     "NotFound",
     "OpsError",
+    "Pause",
+    "PauseResult",
+    "PauseSpan",
     "PayloadEquals",
     "PurgeResult",
     "Stats",
@@ -35,10 +40,13 @@ __all__ = [
     "list_messages",
     "parse_duration",
     "parse_where",
+    "pause",
+    "paused",
     "purge",
     "requeue",
     "requeue_candidates",
     "requeued_key",
+    "resume",
     "retry_now",
     "show",
     "stats",

@@ -40,7 +40,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, signals
+from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, outbox_pause, signals
+from outbox._migrations import missing_outbox_table
 from outbox._redact import Redactor
 from outbox._routes import check_name
 
@@ -226,15 +227,19 @@ class Relay:
             await rt.db(self._probe)
         except SQLAlchemyError as exc:
             url = self.engine.url.render_as_string(hide_password=True)
-            if "outbox_message" in str(exc) or "UndefinedTable" in type(getattr(exc, "orig", exc)).__name__:
+            missing = missing_outbox_table(exc)
+            if missing is not None:
                 raise DatabaseUnavailable(
-                    f"the outbox tables are missing in {url}: run `outbox migrate --database-url ...` first"
+                    f"the outbox tables are missing in {url} (no {missing}): "
+                    "run `outbox migrate --database-url ...` first"
                 ) from None
             raise DatabaseUnavailable(f"cannot reach the database at {url}: {first_line(exc)}") from None
 
     def _probe(self) -> None:
         with self.engine.connect() as conn:
             conn.execute(select(outbox_message.c.id).limit(0))
+            # Every claim reads the pauses: a database not migrated that far fails here, in one line.
+            conn.execute(select(outbox_pause.c.kind).limit(0))
 
     async def _close(self, rt: Runtime) -> None:
         await self._claimer.close()
