@@ -250,6 +250,15 @@ class Relay:
         with self._stop_lock:
             self._loop = None
 
+    @property
+    def listening(self) -> bool:
+        """True from each ``relay_listening`` signal until the LISTEN connection is lost."""
+        return self.listener is not None and self.listener.connected.is_set()
+
+    def _now_listening(self, rt: Runtime) -> None:
+        rt.wake.set()  # the catch-up claim: a NOTIFY sent while not listening was lost
+        send(signals.relay_listening, self.outbox, relay=self)
+
     def _request_stop(self, graceful: bool) -> None:
         if self._rt is not None:
             self._rt.request_stop(graceful)
@@ -288,11 +297,13 @@ class Relay:
                 self._start("outbox-recoverer", self._leases.recoverer),
             ]
             if self.listen:
-                self.listener = Listener(self.engine, on_notify=rt.wake.set, on_listening=rt.wake.set)
+                self.listener = Listener(
+                    self.engine, on_notify=rt.wake.set, on_listening=lambda: self._now_listening(rt)
+                )
                 self._background.append(self._start("outbox-listen", self.listener.run))
             if self.metrics is not None:
-                listener = self.listener
-                self.metrics.watch_listener(lambda: listener is None or listener.connected.is_set())
+                # Ready means listening in the sense relay_listening announces (or not listening at all).
+                self.metrics.watch_listener(lambda: not self.listen or self.listening)
                 self.metrics.up.set(1)
                 self._background.append(self._start("outbox-metrics", lambda: self._refresh_metrics(rt)))
             log.info(
