@@ -31,6 +31,8 @@ from ._tables import (
     metadata,
     outbox_attempt,
     outbox_message,
+    outbox_pause,
+    outbox_pause_log,
     outbox_retention_run,
 )
 
@@ -61,6 +63,8 @@ __all__ = [
     "metadata",
     "outbox_attempt",
     "outbox_message",
+    "outbox_pause",
+    "outbox_pause_log",
     "outbox_retention_run",
     "signals",
     "upgrade",

@@ -16,6 +16,11 @@ queue is not an error for a script. Answering anything but ``y``, or Ctrl-D
 
 ``tail`` runs until Ctrl-C (exit 0) or ``--count`` rows.
 
+``pause`` of something paused already changes nothing and exits 0 (it says
+so); ``resume`` of something not paused exits 1, so a mistyped name is never
+taken for a resume. Pausing a queue or handler no message has used yet works,
+with a warning on stderr.
+
 ``--actor`` defaults to the login name; when the system cannot name the user
 (a container running as a uid with no passwd entry), to ``uid:<number>``.
 """
@@ -38,7 +43,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from . import ops
 from ._argparse import OneLineParser
 from ._exceptions import ConfigurationError
-from ._migrations import BRANCH, upgrade
+from ._migrations import BRANCH, missing_outbox_table, upgrade
 from ._payload import text_problem
 from ._tables import ATTEMPT_OUTCOMES
 from ._urls import check_url, sync_engine
@@ -287,6 +292,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     tail.add_argument("--json", action="store_true", help="one JSON object per line")
 
+    for name, verb, effect in (
+        ("pause", "stop relays claiming a queue's or a handler's messages", "until `outbox resume`"),
+        ("resume", "let relays claim a paused queue's or handler's messages again", "at once"),
+    ):
+        sub = commands.add_parser(
+            name,
+            help=verb,
+            description=f"{verb[0].upper()}{verb[1:]} {effect}; recorded with actor and reason.",
+        )
+        _add_database(sub)
+        target = sub.add_mutually_exclusive_group(required=True)
+        target.add_argument("--queue", type=_text)
+        target.add_argument("--handler", type=_text, help="route name")
+        sub.add_argument("--reason", type=_text, required=True, help="why: recorded in outbox_pause_log")
+        sub.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
+        sub.add_argument("--json", action="store_true")
+
     purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
     _add_database(purge)
     purge.add_argument("--delivered-older-than", type=_age, required=True, metavar="AGE", help="e.g. 30d")
@@ -358,7 +380,21 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
     print(f"last hour: {result.delivered_last_hour} delivered, {result.failed_last_hour} failed attempts")
     # Requeued originals stay dead for the record; only the others still need a decision.
     print(f"dead: {result.dead} needing a decision, {result.dead_requeued} requeued")
+    for held in result.paused:
+        print(
+            f"paused: {held.kind} {held.name} since {_when(held.paused_at)} by {held.actor}"
+            f" ({_flat(held.reason)}), holding back {held.held_back} pending"
+        )
     return 0
+
+
+def _when(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _flat(text: str) -> str:
+    """Free text on one line of output."""
+    return " ".join(text.split())
 
 
 def _cmd_list(engine: Engine, args: argparse.Namespace) -> int:
@@ -389,13 +425,28 @@ def _cmd_list(engine: Engine, args: argparse.Namespace) -> int:
 def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     found = ops.show(engine, args.id)
     if args.json:
-        _print_json({"message": found.message, "attempts": found.attempts})
+        _print_json(
+            {
+                "message": found.message,
+                "attempts": found.attempts,
+                "pauses": [span.as_dict() for span in found.pauses],
+            }
+        )
         return 0
     for key, value in found.message.items():
         print(f"{key:>15}: {json.dumps(value, default=str) if isinstance(value, dict | list) else value}")
     print()
-    _table(
-        [
+    rows: list[list[Any]] = []
+    details: list[tuple[str, str]] = []
+    events = _pause_events(found.pauses)
+    for h in found.attempts:
+        while events and events[0][0] < h["started_at"]:
+            rows.append(events.pop(0)[1])
+        detail = json.dumps(h["detail"], default=str, ensure_ascii=False) if h["detail"] else ""
+        if len(detail) > _DETAIL_WIDTH:  # never cut: the whole document goes below the table
+            details.append((f"attempt {h['attempt']} ({h['outcome']})", json.dumps(h["detail"], indent=2)))
+            detail = f"(below: {len(detail)} characters)"
+        rows.append(
             [
                 h["attempt"],
                 h["outcome"],
@@ -403,13 +454,31 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
                 h["duration_ms"],
                 h["relay_id"] or h["actor"],
                 h["error"] or h["reason"],
-                json.dumps(h["detail"]) if h["detail"] else "",
+                detail,
             ]
-            for h in found.attempts
-        ],
-        ["attempt", "outcome", "started_at", "ms", "by", "error/reason", "detail"],
-    )
+        )
+    rows += [row for _, row in events]
+    _table(rows, ["attempt", "outcome", "started_at", "ms", "by", "error/reason", "detail"])
+    for title, document in details:
+        print(f"\ndetail of {title}:\n{document}")
     return 0
+
+
+#: The widest detail the history table shows inline (the table's cell width).
+_DETAIL_WIDTH = 60
+
+
+def _pause_events(spans: Sequence[ops.PauseSpan]) -> list[tuple[datetime, list[Any]]]:
+    """Each pause of the message's queue or handler as table rows: when it began, when it ended."""
+    events: list[tuple[datetime, list[Any]]] = []
+    for span in spans:
+        what = f"{span.kind} {span.name}"
+        row = ["-", "paused", span.paused_at, "", span.paused_by, span.pause_reason, what]
+        events.append((span.paused_at, row))
+        if span.resumed_at is not None:
+            row = ["-", "resumed", span.resumed_at, "", span.resumed_by, span.resume_reason, what]
+            events.append((span.resumed_at, row))
+    return sorted(events, key=lambda event: event[0])
 
 
 def _confirm(count: int, verb: str, args: argparse.Namespace) -> bool:
@@ -523,6 +592,42 @@ def _cmd_tail(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pause(engine: Engine, args: argparse.Namespace) -> int:
+    actor = args.actor or _login_name()
+    if args.command == "resume":
+        lifted = ops.resume(engine, queue=args.queue, handler=args.handler, reason=args.reason, actor=actor)
+        if args.json:
+            _print_json({"resumed": lifted.as_dict()})
+        else:
+            print(
+                f"resumed {lifted.kind} {lifted.name}"
+                f" (paused since {_when(lifted.paused_at)} by {lifted.actor});"
+                f" {lifted.held_back} pending message(s) may be claimed again"
+            )
+        return 0
+    done = ops.pause(engine, queue=args.queue, handler=args.handler, reason=args.reason, actor=actor)
+    held = done.pause
+    if not done.known:
+        print(
+            f"{PROG} pause: warning: no message has used {held.kind} {held.name!r} yet;"
+            " paused anyway (check the name)",
+            file=sys.stderr,
+        )
+    if args.json:
+        _print_json({"paused": held.as_dict(), "changed": done.changed, "known": done.known})
+    elif done.changed:
+        print(
+            f"paused {held.kind} {held.name}: relays stop claiming it at their next claim;"
+            f" {held.held_back} pending message(s) held back"
+        )
+    else:
+        print(
+            f"{held.kind} {held.name} was already paused since {_when(held.paused_at)} by {held.actor}"
+            f" ({_flat(held.reason)}); nothing changed"
+        )
+    return 0
+
+
 def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
     result = ops.purge(
         engine,
@@ -547,6 +652,8 @@ _COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "discard": _cmd_act,
     "retry-now": _cmd_act,
     "tail": _cmd_tail,
+    "pause": _cmd_pause,
+    "resume": _cmd_pause,
     "purge": _cmd_purge,
 }
 
@@ -597,6 +704,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {args.command}: {error}", file=sys.stderr)
         return 1
     except SQLAlchemyError as error:
+        missing = missing_outbox_table(error)
+        if missing is not None:
+            print(
+                f"{PROG} {args.command}: the outbox tables are missing in {shown} (no {missing}):"
+                " run `outbox migrate --database-url ...` first",
+                file=sys.stderr,
+            )
+            return 1
         print(f"{PROG} {args.command}: database error on {shown}: {_one_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -30,6 +30,7 @@ __all__ = [
     "downgrade",
     "include_name",
     "include_object",
+    "missing_outbox_table",
     "script_location",
     "upgrade",
     "version_location",
@@ -184,3 +185,24 @@ def _between(before: set[str], after: set[str]) -> list[str]:
                 break
             walked.append(script.revision)
     return walked[::-1]
+
+
+def missing_outbox_table(error: BaseException) -> str | None:
+    """The outbox table a database error says does not exist (not migrated, or not this far), or None.
+
+    ``outbox`` and ``outbox-relay`` turn it into one line that says to run ``outbox migrate``.
+    """
+    orig = getattr(error, "orig", None) or error
+    said = str(orig)
+    undefined = (
+        getattr(orig, "sqlstate", None) == "42P01"  # psycopg, asyncpg
+        or getattr(orig, "pgcode", None) == "42P01"  # psycopg2
+        or type(orig).__name__ == "UndefinedTable"
+        or "no such table" in said  # SQLite
+    )
+    if not undefined:
+        return None
+    for name in sorted(OUTBOX_TABLES, key=len, reverse=True):  # outbox_pause_log before outbox_pause
+        if name in said:
+            return name
+    return None

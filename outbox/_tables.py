@@ -1,4 +1,4 @@
-"""The two documented tables. Operators query these with plain SQL; keep names stable.
+"""The documented tables. Operators query these with plain SQL; keep names stable.
 
 The migrations in the ``outbox`` Alembic branch create exactly this schema (a
 test compares the two); database-side rules that SQLAlchemy metadata cannot
@@ -34,9 +34,13 @@ from ._types import JSONDocument, RowId, UTCDateTime
 __all__ = [
     "ATTEMPT_OUTCOMES",
     "MESSAGE_STATUSES",
+    "PAUSE_EVENTS",
+    "PAUSE_KINDS",
     "metadata",
     "outbox_attempt",
     "outbox_message",
+    "outbox_pause",
+    "outbox_pause_log",
     "outbox_retention_run",
 ]
 
@@ -52,6 +56,8 @@ ATTEMPT_OUTCOMES: Final = (
     "discarded",
     "retried_now",
 )
+PAUSE_KINDS: Final = ("queue", "handler")
+PAUSE_EVENTS: Final = ("paused", "resumed")
 
 #: Deterministic constraint names, so migrations and autogenerate agree on them.
 NAMING_CONVENTION: Final = {
@@ -184,5 +190,39 @@ outbox_retention_run = Table(
     Column("db_user", String(255)),
     # True when the run also deleted the history of unresolved (pending, running, dead) messages.
     Column("history_of_unresolved", Boolean, nullable=False, server_default=false()),
+    sqlite_autoincrement=True,
+)
+
+#: What relays must not claim now: one row per paused queue or handler (``outbox pause``),
+#: deleted by ``outbox resume``. Every claim reads it (a handful of rows, usually none), so
+#: a pause takes effect at the next claim of every relay, without a restart.
+outbox_pause = Table(
+    "outbox_pause",
+    metadata,
+    Column("kind", String(16), primary_key=True),
+    Column("name", String(255), primary_key=True),
+    Column("reason", Text, nullable=False),
+    Column("actor", String(255), nullable=False),
+    Column("paused_at", UTCDateTime, nullable=False),
+    CheckConstraint(_one_of("kind", PAUSE_KINDS), name="kind"),
+)
+
+#: Every pause and resume, append-only (migration outbox_0010 refuses UPDATE, DELETE and
+#: TRUNCATE): who, why, when. ``outbox show`` reads a message's pauses from here, so a big
+#: queue held back gets no per-message rows.
+outbox_pause_log = Table(
+    "outbox_pause_log",
+    metadata,
+    Column("id", RowId, Identity(), primary_key=True),
+    Column("event", String(16), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("name", String(255), nullable=False),
+    Column("at", UTCDateTime, nullable=False),
+    Column("actor", String(255), nullable=False),
+    Column("reason", Text, nullable=False),
+    CheckConstraint(_one_of("event", PAUSE_EVENTS), name="event"),
+    CheckConstraint(_one_of("kind", PAUSE_KINDS), name="kind"),
+    # A queue's or handler's pauses in order: what `outbox show` pairs up.
+    Index("ix_outbox_pause_log_kind_name", "kind", "name", "id"),
     sqlite_autoincrement=True,
 )

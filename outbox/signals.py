@@ -3,7 +3,16 @@
 Connect with ``outbox.signals.event_emitted.connect(fn)``. Every signal is sent
 with the :class:`~outbox.Outbox` as sender, so ``connect(fn, sender=ob)`` listens
 to one outbox only. Receivers run synchronously in the sending thread; keep them
-quick and never let them raise (an exception propagates into the caller).
+quick. What a receiver that raises does depends on who sends:
+
+- the write-side signals are sent with blinker's own ``send``: an exception
+  propagates into the caller (``emit()`` for ``event_emitted``, the session's
+  commit for ``messages_committed``, where it surfaces after the commit) and
+  later receivers of that signal are not called;
+- the relay's signals are sent through ``outbox.relay.announce.send``: each
+  receiver is called on its own, one that raises is logged (action
+  ``signal_error``) and the relay carries on, later receivers included. Async
+  receivers are refused the same way: the relay sends synchronously.
 
 Write side (sent by ``outbox``):
 
@@ -19,7 +28,16 @@ Write side (sent by ``outbox``):
 Relay side (sent by ``outbox.relay``, from the relay's event-loop thread):
 
 ``relay_started`` / ``relay_stopped``
-    keyword argument ``relay`` (the :class:`~outbox.relay.Relay`).
+    keyword argument ``relay`` (the :class:`~outbox.relay.Relay`). ``relay_started``
+    is sent once the database answered and the background tasks are started,
+    before the first claim; the relay is not necessarily listening yet.
+``relay_listening``
+    ``relay``. Sent each time the relay's LISTEN connection is established or
+    re-established (after a lost connection), once the ``LISTEN`` statement has
+    completed: from then on a commit's NOTIFY wakes it. A catch-up claim follows
+    each one. Never sent by a relay that does not listen (SQLite,
+    ``listen=False`` / ``--no-listen``). ``/readyz`` counts the relay as
+    listening from this moment until the connection is lost.
 ``message_claimed``
     ``relay``, ``messages`` (the claimed :class:`~outbox.Message` objects).
 ``message_delivered``
@@ -42,6 +60,7 @@ __all__ = [
     "message_delivered",
     "messages_committed",
     "namespace",
+    "relay_listening",
     "relay_started",
     "relay_stopped",
     "retry_scheduled",
@@ -55,6 +74,9 @@ messages_committed = namespace.signal(
 )
 
 relay_started = namespace.signal("relay-started", doc="a relay began claiming")
+relay_listening = namespace.signal(
+    "relay-listening", doc="a relay's LISTEN connection is (re-)established: NOTIFY now wakes it"
+)
 relay_stopped = namespace.signal("relay-stopped", doc="a relay finished shutting down")
 message_claimed = namespace.signal("message-claimed", doc="a relay claimed a batch of messages")
 message_delivered = namespace.signal("message-delivered", doc="a handler returned normally")

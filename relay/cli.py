@@ -6,7 +6,13 @@ Every flag has an ``OUTBOX_*`` environment variable (``--database-url`` reads
 Exit codes: 0 stopped cleanly (or ``--once`` drained), 1 the database could not
 be reached or the tables are missing (or failed during ``--once``), 2 bad usage
 or an ``--app`` that cannot be loaded, 130 ``--once`` interrupted by Ctrl-C.
-User mistakes get one line on stderr, never a traceback.
+User mistakes get one line on stderr, never a traceback. An ``--app`` whose
+import raises names the file and line that raised in that line; with
+``--log-level DEBUG`` the whole traceback is logged before it.
+
+Logging: ``--log-level`` sets the root logger; the ``httpx`` and ``httpcore``
+loggers (the webhook handler's HTTP client) are kept at WARNING unless it is
+DEBUG, since their INFO line per request repeats every delivery the relay logs.
 
 Signals: the first SIGTERM or SIGINT stops claiming and lets in-flight
 deliveries finish within ``--grace-period``; a second one cancels them. In a
@@ -21,6 +27,7 @@ import logging
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -220,6 +227,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _failing_line(exc: BaseException) -> str:
+    """``file:line`` of the frame that raised (for a syntax error, of the bad line), importlib left out."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen ")]
+    if not frames:
+        return "an unknown line"
+    return f"{frames[-1].filename}:{frames[-1].lineno}"
+
+
 def load_app(spec: str) -> Outbox:
     """Import ``module:attribute`` (the attribute may also be a function returning the Outbox)."""
     module_name, sep, attribute = spec.partition(":")
@@ -233,10 +250,18 @@ def load_app(spec: str) -> Outbox:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigurationError(f"--app {spec}: cannot import {module_name!r}: {exc}") from None
-    except Exception as exc:
+        if exc.name is not None and module_name.startswith(exc.name):  # the module itself is not there
+            raise ConfigurationError(f"--app {spec}: cannot import {module_name!r}: {exc}") from None
+        log.debug("importing %r failed", module_name, exc_info=True, extra={"action": "app_error"})
         raise ConfigurationError(
-            f"--app {spec}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+            f"--app {spec}: importing {module_name!r} failed at {_failing_line(exc)}: {exc}"
+        ) from None
+    except Exception as exc:
+        # A bug in the application's module: the one line says where, DEBUG logs the whole traceback.
+        log.debug("importing %r failed", module_name, exc_info=True, extra={"action": "app_error"})
+        raise ConfigurationError(
+            f"--app {spec}: importing {module_name!r} raised {type(exc).__name__}"
+            f" at {_failing_line(exc)}: {exc}"
         ) from None
     target: Any = module
     for part in attribute.split("."):

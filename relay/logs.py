@@ -12,7 +12,10 @@ import logging
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-__all__ = ["JSONFormatter", "configure"]
+__all__ = ["QUIETED", "JSONFormatter", "configure"]
+
+#: Libraries whose INFO lines duplicate the relay's own: kept at WARNING unless the level is DEBUG.
+QUIETED = ("httpx", "httpcore")
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
@@ -42,3 +45,6 @@ def configure(level: str, fmt: Literal["text", "json"]) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # httpx logs one INFO line per request: the relay's own line per delivery already says it.
+    for noisy in QUIETED:
+        logging.getLogger(noisy).setLevel(logging.NOTSET if level.upper() == "DEBUG" else logging.WARNING)

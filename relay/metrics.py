@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import case, func, select
 from sqlalchemy.engine import Engine
 
-from outbox import ConfigurationError, Message, outbox_message
+from outbox import ConfigurationError, Message, outbox_message, outbox_pause
 
 from .store import Completion
 
@@ -107,6 +107,12 @@ class RelayMetrics:
             ["queue"],
             registry=self.registry,
         )
+        self.paused = Gauge(
+            "outbox_paused",
+            "1 while a queue or handler is paused (outbox pause), 0 once resumed; kind is queue or handler",
+            ["kind", "name"],
+            registry=self.registry,
+        )
         self.up = Gauge("outbox_relay_up", "1 while the relay is serving", registry=self.registry)
         self.breaker_open = Gauge(
             "outbox_breaker_open",
@@ -121,6 +127,7 @@ class RelayMetrics:
         self._breakers: list[Callable[[], dict[str, bool]]] = []
         self._queues: set[str] = set()
         self._unfinished_queues: set[str] = set()
+        self._paused: set[tuple[str, str]] = set()
 
     # -- fed by the relay ------------------------------------------------------------
 
@@ -144,7 +151,7 @@ class RelayMetrics:
         self._breakers.append(states)
 
     def refresh(self, engine: Engine) -> None:
-        """The scheduled queries behind the gauges: pending, running and dead rows only (indexed)."""
+        """The scheduled queries behind the gauges: pending, running and dead rows only (indexed), pauses."""
         now = datetime.now(UTC)
         copy = m.alias("requeued_copy")
         has_copy = select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists()
@@ -173,12 +180,19 @@ class RelayMetrics:
                 .where(m.c.status.in_(("pending", "running")))
                 .group_by(m.c.queue)
             ).all()
+            pauses = conn.execute(select(outbox_pause.c.kind, outbox_pause.c.name)).all()
+        paused: set[tuple[str, str]] = {(kind, name) for kind, name in pauses}
         counts["dead"] = int(dead) - int(dead_requeued)
         counts["dead_requeued"] = int(dead_requeued)
         for status in ("pending", "running", "dead", "dead_requeued"):
             self.messages.labels(status).set(counts.get(status, 0))
         self._queues = _set_ages(self.oldest_due, oldest, self._queues, now)
         self._unfinished_queues = _set_ages(self.oldest_unfinished, unfinished, self._unfinished_queues, now)
+        for kind, name in paused:
+            self.paused.labels(kind, name).set(1)
+        for kind, name in self._paused - paused:
+            self.paused.labels(kind, name).set(0)
+        self._paused |= paused
         for states in self._breakers:
             for destination, is_open in states().items():
                 self.breaker_open.labels(destination).set(1 if is_open else 0)

@@ -115,9 +115,12 @@ class Shutdown:
             await self._writer.write_pending()
             await self._release_unstarted()
         except Exception as exc:
+            left = len(self._writer) + len(self._claimer.unstarted())
+            if not left:  # a drain that failed before claiming anything: nothing was lost, say nothing
+                return
             log.warning(
                 "could not record %d outcome(s) of the interrupted drain (%s); their leases will expire",
-                len(self._writer) + len(self._claimer.unstarted()),
+                left,
                 first_line(exc),
                 extra={"action": "db_error", "relay_id": self._rt.id},
             )

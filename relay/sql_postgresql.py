@@ -26,6 +26,12 @@ A lease runs from the moment its row is taken (``clock_timestamp()``), not
 from the statement's start (``now()``): a claim slowed by load must not hand
 out leases that are already spent.
 
+A paused queue or handler (``outbox_pause``) is left out of the claim itself:
+neither pause condition refers to the candidate row, so PostgreSQL evaluates
+each once per claim (an InitPlan over a table of a few rows, usually none),
+not once per row, and no extra round trip is made. A pause is therefore seen
+by the next claim of every relay.
+
 Status values are literals, never parameters: psycopg prepares a statement
 after a few executions and PostgreSQL may then switch to a generic plan, which
 can only use the partial indexes (``WHERE status = 'pending'``) if the
@@ -50,6 +56,8 @@ UPDATE outbox_message
         SELECT c.id FROM outbox_message c
          WHERE c.status = 'pending' AND c.queue = %(queue)s AND c.handler = ANY(%(handlers)s)
            AND c.available_at <= now()
+           AND NOT EXISTS (SELECT 1 FROM outbox_pause p WHERE p.kind = 'queue' AND p.name = %(queue)s)
+           AND c.handler <> ALL(ARRAY(SELECT p.name FROM outbox_pause p WHERE p.kind = 'handler'))
            AND (c.group_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM outbox_message e
                  WHERE e.handler = c.handler AND e.group_key = c.group_key AND e.id < c.id

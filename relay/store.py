@@ -43,7 +43,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
-from outbox import Backoff, outbox_attempt, outbox_message
+from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
 
 from . import sql_postgresql as pg
 from .db import LoopConnection
@@ -164,7 +164,7 @@ class Store:
             return [q for (q,) in conn.execute(select(walk.c.queue).where(walk.c.queue.is_not(None)))]
 
     def claim(self, queue: str, handlers: Sequence[str], limit: int) -> list[Row[Any]]:
-        """Lease up to ``limit`` due messages of ``queue`` for ``handlers``.
+        """Lease up to ``limit`` due messages of ``queue`` for ``handlers``, unless paused.
 
         The attempt is counted here, at claim time, so a message that kills its
         relay still uses up attempts and eventually goes dead instead of
@@ -186,6 +186,7 @@ class Store:
                 m.c.queue == queue,
                 m.c.handler.in_(handlers),
                 m.c.available_at <= now,
+                *self._not_paused(queue),
                 self._group_is_free(),
             )
             .order_by(m.c.priority, m.c.id)
@@ -227,6 +228,18 @@ class Store:
         rows = await conn.fetch(self._claim_sql, self._claim_params(queue, handlers, limit))
         rows.sort(key=lambda r: (r.priority, r.id))
         return rows
+
+    @staticmethod
+    def _not_paused(queue: str) -> list[ColumnElement[bool]]:
+        """Neither the queue nor the message's handler is paused (``outbox pause``).
+
+        Neither condition refers to the candidate row: each is evaluated once per
+        claim, against a table of a few rows.
+        """
+        p = outbox_pause
+        queue_paused = exists().where(p.c.kind == "queue", p.c.name == queue)
+        paused_handlers = select(p.c.name).where(p.c.kind == "handler")
+        return [~queue_paused, m.c.handler.not_in(paused_handlers)]
 
     def _group_is_free(self) -> ColumnElement[bool]:
         """A grouped message is due only when no earlier message of its group is unfinished.

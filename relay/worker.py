@@ -43,7 +43,8 @@ from sqlalchemy.exc import SQLAlchemyError
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, signals
+from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, outbox_pause, signals
+from outbox._migrations import missing_outbox_table
 from outbox._redact import Redactor
 from outbox._routes import check_name
 
@@ -233,15 +234,19 @@ class Relay:
             await rt.db(self._probe)
         except SQLAlchemyError as exc:
             url = self.engine.url.render_as_string(hide_password=True)
-            if "outbox_message" in str(exc) or "UndefinedTable" in type(getattr(exc, "orig", exc)).__name__:
+            missing = missing_outbox_table(exc)
+            if missing is not None:
                 raise DatabaseUnavailable(
-                    f"the outbox tables are missing in {url}: run `outbox migrate --database-url ...` first"
+                    f"the outbox tables are missing in {url} (no {missing}): "
+                    "run `outbox migrate --database-url ...` first"
                 ) from None
             raise DatabaseUnavailable(f"cannot reach the database at {url}: {first_line(exc)}") from None
 
     def _probe(self) -> None:
         with self.engine.connect() as conn:
             conn.execute(select(outbox_message.c.id).limit(0))
+            # Every claim reads the pauses: a database not migrated that far fails here, in one line.
+            conn.execute(select(outbox_pause.c.kind).limit(0))
 
     async def _close(self, rt: Runtime) -> None:
         await self._claimer.close()
@@ -251,6 +256,15 @@ class Relay:
             self.engine.dispose()
         with self._stop_lock:
             self._loop = None
+
+    @property
+    def listening(self) -> bool:
+        """True from each ``relay_listening`` signal until the LISTEN connection is lost."""
+        return self.listener is not None and self.listener.connected.is_set()
+
+    def _now_listening(self, rt: Runtime) -> None:
+        rt.wake.set()  # the catch-up claim: a NOTIFY sent while not listening was lost
+        send(signals.relay_listening, self.outbox, relay=self)
 
     def _request_stop(self, graceful: bool) -> None:
         if self._rt is not None:
@@ -290,11 +304,13 @@ class Relay:
                 self._start("outbox-recoverer", self._leases.recoverer),
             ]
             if self.listen:
-                self.listener = Listener(self.engine, on_notify=rt.wake.set, on_listening=rt.wake.set)
+                self.listener = Listener(
+                    self.engine, on_notify=rt.wake.set, on_listening=lambda: self._now_listening(rt)
+                )
                 self._background.append(self._start("outbox-listen", self.listener.run))
             if self.metrics is not None:
-                listener = self.listener
-                self.metrics.watch_listener(lambda: listener is None or listener.connected.is_set())
+                # Ready means listening in the sense relay_listening announces (or not listening at all).
+                self.metrics.watch_listener(lambda: not self.listen or self.listening)
                 self.metrics.up.set(1)
                 self._background.append(self._start("outbox-metrics", lambda: self._refresh_metrics(rt)))
             log.info(

@@ -24,7 +24,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import sessionmaker
 from test_webhook import Receiver, Reply
 
-from outbox import Backoff, Outbox, PermanentError, emit, ops, outbox_message
+from outbox import Backoff, Outbox, PermanentError, emit, ops, outbox_message, signals
 from outbox.relay import Relay
 from outbox.relay.metrics import RelayMetrics
 
@@ -292,3 +292,37 @@ def test_a_failing_breaker_report_does_not_stop_the_metrics_refresh(engine, capl
         relay.stop()
         thread.join(10)
     assert any("breaker report bug" in r.getMessage() or r.exc_info for r in caplog.records)
+
+
+def test_relay_listening_is_sent_each_time_listen_is_up_and_readyz_agrees(pg_engine):
+    ob = Outbox()
+    ob.route("e", lambda msg: None, name="r")
+    heard: list[tuple[bool, tuple[bool, str]]] = []
+    metrics = RelayMetrics()
+
+    def on_listening(sender: Outbox, relay: Relay) -> None:
+        heard.append((relay.listening, metrics.ready()))
+
+    signals.relay_listening.connect(on_listening, sender=ob)
+    relay = Relay(ob, pg_engine, metrics=metrics, poll_interval=0.2)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        wait_until(lambda: heard, "relay_listening")
+        assert heard[0][0] is True and heard[0][1][1] != "LISTEN connection down"
+        wait_until(lambda: metrics.ready() == (True, "ok"), "ready once listening and claiming")
+        with pg_engine.connect() as conn:  # the LISTEN connection dies: not ready until it is back
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name = 'outbox-relay listen' AND datname = current_database()"
+                )
+            )
+        wait_until(lambda: len(heard) == 2, "relay_listening again after the reconnect", timeout=30)
+        assert heard[1][0] is True and relay.listening
+        assert metrics.ready() == (True, "ok")
+    finally:
+        signals.relay_listening.disconnect(on_listening, sender=ob)
+        relay.stop()
+        thread.join(20)
+    assert not thread.is_alive()

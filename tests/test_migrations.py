@@ -22,6 +22,8 @@ OUTBOX_TABLES = {
     "outbox_message",
     "outbox_attempt",
     "outbox_retention_run",
+    "outbox_pause",
+    "outbox_pause_log",
     "outbox_report_run",
     "outbox_report_chunk",
     "outbox_email_sent",
@@ -304,7 +306,7 @@ def test_the_retried_now_outcome_keeps_sqlite_history_its_triggers_and_ids(tmp_p
         with pytest.raises(Exception, match="CHECK constraint failed"), engine.begin() as conn:
             conn.execute(text(insert_row), {"id": None, "o": "retried_now"})
 
-        assert outbox.upgrade(url) == ["outbox_0009"]
+        assert outbox.upgrade(url, "outbox_0009") == ["outbox_0009"]
         with engine.begin() as conn:
             assert conn.execute(text("SELECT * FROM outbox_attempt ORDER BY id")).all() == before
             conn.execute(text(insert_row), {"id": None, "o": "retried_now"})
@@ -333,3 +335,41 @@ def test_the_retried_now_outcome_keeps_sqlite_history_its_triggers_and_ids(tmp_p
         engine.dispose()
     with pytest.raises(RuntimeError, match="1 history row"):
         outbox._migrations.downgrade(url, "outbox_0008")
+
+
+def test_the_pause_log_is_append_only_and_the_downgrade_keeps_it(empty_url):
+    """outbox_0010: every pause and resume stays on record; nothing paused is resumed by a downgrade."""
+    outbox.upgrade(empty_url)
+    engine = create_engine(empty_url)
+    now = "now()" if engine.dialect.name == "postgresql" else "'2026-12-08'"
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO outbox_pause_log (event, kind, name, at, actor, reason)"
+                    f" VALUES ('paused', 'queue', 'mail', {now}, 'ana', 'smtp migration')"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO outbox_pause (kind, name, reason, actor, paused_at)"
+                    f" VALUES ('queue', 'mail', 'smtp migration', 'ana', {now})"
+                )
+            )
+        refusals = ["UPDATE outbox_pause_log SET actor = 'someone else'", "DELETE FROM outbox_pause_log"]
+        if engine.dialect.name == "postgresql":
+            refusals.append("TRUNCATE outbox_pause_log")
+        for statement in refusals:
+            with pytest.raises(Exception, match="outbox_pause_log is append-only"), engine.begin() as conn:
+                conn.execute(text(statement))
+        with pytest.raises(Exception, match="kind"), engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO outbox_pause (kind, name, reason, actor, paused_at)"
+                    f" VALUES ('route', 'x', 'r', 'a', {now})"
+                )
+            )
+    finally:
+        engine.dispose()
+    with pytest.raises(RuntimeError, match="1 queue.* paused .* records 1 pause"):
+        outbox._migrations.downgrade(empty_url, "outbox_0009")

@@ -625,7 +625,12 @@ BAD_INPUT: list[tuple[str, list[str], int, list[str]]] = [
         1,
         ["outbox requeue:", "127.0.0.1", "port 1"],
     ),
-    ("not migrated", ["stats", "--database-url", "sqlite://"], 1, ["no such table: outbox_message"]),
+    (
+        "not migrated",
+        ["stats", "--database-url", "sqlite://"],
+        1,
+        ["the outbox tables are missing in sqlite://", "run `outbox migrate --database-url ...` first"],
+    ),
     (
         "bad filter",
         ["list", "--since", "yesterday", "--database-url", "sqlite://"],

@@ -144,6 +144,25 @@ def test_retry_now_makes_waiting_retries_due_and_records_who_and_why(billing):
     assert again == "no message matched the filter; nothing to retry-now\n"
 
 
+def test_show_prints_a_long_detail_whole_never_cut_mid_string(billing):
+    billing.emit("order.paid", {"order_id": 1}, key="order:1")
+    billing.relay()
+    message_id = billing.ids()["order:1"]
+    ops.retry_now(
+        billing.engine, ops.MessageFilter(ids=(message_id,)), reason="billing is back", actor="alice"
+    )
+    *_, last = history_of(billing.engine, message_id)
+    assert len(json.dumps(last.detail)) > 60  # wider than the table's cells
+
+    shown = ok(run("show", str(message_id), database_url=billing.url))
+    row = next(line for line in shown.splitlines() if "retried_now" in line)
+    assert "(below:" in row and "was_due_at" not in row
+    below = shown.split("detail of attempt 1 (retried_now):\n", 1)[1]
+    assert json.loads(below) == json.loads(json.dumps(last.detail))
+    whole = ok_json(run("show", str(message_id), "--json", database_url=billing.url))
+    assert whole["attempts"][-1]["detail"] == last.detail
+
+
 def test_retry_now_by_id_is_all_or_none_and_delayed_messages_need_asking(billing):
     url, engine = billing.url, billing.engine
     billing.emit("order.paid", {"order_id": 1}, key="order:1")

@@ -8,6 +8,7 @@ line, never a traceback.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from sqlalchemy.orm import sessionmaker
 
 import outbox
 from outbox import emit
+from outbox.relay.logs import QUIETED, configure
 
 sys.path.insert(0, str(APPS))
 import counting_app  # noqa: E402  (the module the relay subprocesses serve)
@@ -345,3 +347,50 @@ def test_once_interrupted_by_ctrl_c_exits_130_with_one_line_and_hands_the_messag
     assert (row.status, row.attempts, row.locked_by, row.locked_until) == ("pending", 1, None, None)
     assert tried == [(1, "failed", "Cancelled")], "the interrupted attempt is on record, not left running"
     assert effects == []
+
+
+def test_a_bug_in_the_app_module_names_its_file_and_line_and_debug_shows_the_traceback(tmp_path, sqlite_url):
+    (tmp_path / "buggy_app.py").write_text(
+        "from outbox import Outbox\n\nob = Outbox()\nrate = undefined_setting * 2\n"
+    )
+    (tmp_path / "needy_app.py").write_text("import nosuchdependency\n")
+    where = f"{tmp_path / 'buggy_app.py'}:4"
+    result = run_relay("--app", "buggy_app:ob", "--database-url", sqlite_url, "--once", cwd=tmp_path)
+    assert_one_line_error(result, 2, "importing 'buggy_app' raised NameError at", where, "undefined_setting")
+    result = run_relay("--app", "needy_app:ob", "--database-url", sqlite_url, "--once", cwd=tmp_path)
+    assert_one_line_error(
+        result, 2, f"importing 'needy_app' failed at {tmp_path / 'needy_app.py'}:1", "nosuchdependency"
+    )
+
+    debug = run_relay(
+        "--app", "buggy_app:ob", "--database-url", sqlite_url, "--once", "--log-level", "DEBUG", cwd=tmp_path
+    )
+    assert debug.returncode == 2
+    assert "Traceback" in debug.stderr and 'buggy_app.py", line 4' in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1].startswith("outbox-relay: --app buggy_app:ob: importing")
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql+psycopg://postgres@127.0.0.1:1/x", "sqlite:////nonexistent-dir/outbox.db"]
+)
+def test_once_on_a_database_it_cannot_reach_says_only_that(tmp_path, url):
+    """No warning about outcomes it could not record: a drain that never started has none."""
+    result = run_relay("--app", APP, "--database-url", url, "--once", cwd=tmp_path)
+    assert_one_line_error(result, 1, "cannot reach the database")
+
+
+def test_httpx_request_lines_are_kept_out_of_the_relay_log_unless_debugging():
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, {n: logging.getLogger(n).level for n in QUIETED}
+    try:
+        configure("INFO", "text")
+        assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+        assert logging.getLogger("httpcore").getEffectiveLevel() == logging.WARNING
+        assert logging.getLogger("outbox.relay").getEffectiveLevel() == logging.INFO
+        configure("DEBUG", "json")
+        assert logging.getLogger("httpx").getEffectiveLevel() == logging.DEBUG
+    finally:
+        root.handlers[:], level, levels = saved
+        root.setLevel(level)
+        for name, value in levels.items():
+            logging.getLogger(name).setLevel(value)

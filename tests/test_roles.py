@@ -277,6 +277,45 @@ def test_the_guides_roles_do_their_jobs_and_nothing_more(roles, pg_engine, reque
     refused(roles.engine("outbox_operator"), "UPDATE outbox_report_run SET status = 'failed'")
 
 
+def test_the_operator_pauses_and_resumes_and_the_relay_honours_it(roles, pg_engine, request):
+    app, relay_engine = roles.engine("outbox_app"), roles.engine("outbox_relay")
+    ob = Outbox()
+    ob.route("order.paid", lambda msg: None, name="ledger", queue="billing")
+    maker: sessionmaker[Session] = sessionmaker(app)
+    ob.install(maker)
+    request.addfinalizer(lambda: ob.uninstall(maker))
+    with maker.begin() as s:
+        emit(s, "order.paid", {"order_id": 1}, key="order:1")
+    url = roles.urls["outbox_operator"]
+
+    ok(run("pause", "--queue", "billing", "--reason", "ledger upgrade", "--actor", "alice", database_url=url))
+    assert Relay(ob, relay_engine).run_until_idle().delivered == 0
+    assert ok_json(run("stats", "--json", database_url=url))["paused"][0]["held_back"] == 1
+    ok(run("resume", "--queue", "billing", "--reason", "upgraded", "--actor", "alice", database_url=url))
+    assert Relay(ob, relay_engine).run_until_idle().delivered == 1
+    (span,) = ok_json(run("show", str(_ids(pg_engine)["ledger", "order:1"]), "--json", database_url=url))[
+        "pauses"
+    ]
+    assert (span["paused_by"], span["resumed_by"]) == ("alice", "alice")
+
+    operator = roles.engine("outbox_operator")
+    for statement in (
+        "UPDATE outbox_pause_log SET reason = 'rewritten'",
+        "DELETE FROM outbox_pause_log",
+        "TRUNCATE outbox_pause_log",
+        "UPDATE outbox_pause SET actor = 'someone else'",
+    ):
+        refused(operator, statement)
+    for statement in (
+        "INSERT INTO outbox_pause (kind, name, reason, actor, paused_at)"
+        " VALUES ('queue', 'q', 'r', 'a', now())",
+        "DELETE FROM outbox_pause",
+        "SELECT id FROM outbox_pause_log",
+    ):
+        refused(relay_engine, statement)
+    refused(app, "SELECT kind FROM outbox_pause")
+
+
 def _ids(engine: Engine) -> dict[tuple[str, str | None], int]:
     with engine.connect() as conn:
         return {(r.handler, r.idempotency_key): r.id for r in conn.execute(select(m))}

@@ -1,0 +1,292 @@
+"""An operator's actions on messages: requeue, discard, retry-now, each recorded in history."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, insert, literal, select, text, update
+from sqlalchemy.engine import Connection, Engine, Row
+
+from ._ops_base import (
+    ACTION_BATCH,
+    DISCARDABLE,
+    KEY_LIMIT,
+    REQUEUABLE,
+    NotFound,
+    OpsError,
+    _check_batch_size,
+    _check_reason,
+    _has_copy,
+    _now,
+    a,
+    m,
+)
+from ._ops_filters import MessageFilter, _filtered_batches, _named, _tried, _waiting
+
+
+def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
+    """Old id → id of its newest copy, for those of ``ids`` that were requeued before."""
+    if not ids:
+        return {}
+    return {
+        old: new
+        for old, new in conn.execute(
+            select(m.c.requeued_from, func.max(m.c.id))
+            .where(m.c.requeued_from.in_(list(ids)))
+            .group_by(m.c.requeued_from)
+        )
+    }
+
+
+def _record_action(
+    conn: Connection, old: Row[Any], outcome: str, actor: str, reason: str, now: datetime, **detail: Any
+) -> None:
+    """An operator's action as a history row on the message it acted on."""
+    conn.execute(
+        insert(a).values(
+            message_id=old.id,
+            attempt=old.attempts,
+            outcome=outcome,
+            started_at=now,
+            finished_at=now,
+            duration_ms=0,
+            actor=actor,
+            reason=reason,
+            detail={**detail, "previous_status": old.status},
+        )
+    )
+
+
+def requeued_key(key: str | None, old_id: int) -> str | None:
+    """The idempotency key of the requeued copy of message ``old_id`` whose key is ``key``.
+
+    ``<key>~requeue:<old id>``; when that would not fit the column, ``key`` is
+    shortened from its end, never the suffix. The suffix names the message
+    copied, and a message is copied at most once, so the copy's key is unique
+    for its route (it never equals the original's), and a copy of a copy gets
+    its own suffix in turn.
+    """
+    if key is None:
+        return None
+    suffix = f"~requeue:{old_id}"
+    return key[: KEY_LIMIT - len(suffix)] + suffix
+
+
+def _copy(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> int:
+    new_id: int = conn.execute(
+        insert(m)
+        .values(
+            event_id=old.event_id,
+            event_type=old.event_type,
+            handler=old.handler,
+            queue=old.queue,
+            priority=old.priority,
+            payload=old.payload,
+            headers=old.headers,
+            aggregate_type=old.aggregate_type,
+            aggregate_id=old.aggregate_id,
+            idempotency_key=requeued_key(old.idempotency_key, old.id),
+            group_key=old.group_key,
+            status="pending",
+            attempts=0,
+            max_attempts=old.max_attempts,
+            available_at=now,
+            created_at=now,
+            updated_at=now,
+            requeued_from=old.id,
+        )
+        .returning(m.c.id)
+    ).scalar_one()
+    _record_action(conn, old, "requeued", actor, reason, now, new_id=new_id)
+    return new_id
+
+
+def requeue(
+    engine: Engine, where: MessageFilter, *, reason: str, actor: str, batch_size: int = ACTION_BATCH
+) -> list[tuple[int, int]]:
+    """Give dead (or discarded) messages a fresh start as new messages; returns (old id, new id) pairs.
+
+    The old row is not touched: a ``requeued`` history row on it names the
+    actor, the reason and the new id. The copy keeps the event id, payload,
+    route, group and aggregate; its idempotency key gains a ``~requeue:<old id>``
+    suffix (see :func:`requeued_key`), because (route, key) is unique and the
+    old row still holds the key.
+
+    A message is requeued at most once, because the old row stays dead and a
+    second copy would deliver the event twice: named ids that already have a
+    copy are refused (requeue the copy if it failed too), a filter skips them.
+
+    Named ids are acted on in one transaction, all or none. A filter works in
+    batches of ``batch_size`` messages, each its own transaction; it never
+    reads, locks or changes a message in any other status than dead or
+    discarded.
+    """
+    _check_reason(reason, actor)
+    _check_batch_size(batch_size)
+    now = _now()
+    pairs: list[tuple[int, int]] = []
+    if where.ids:
+        with engine.begin() as conn:
+            targets = _named(conn, where, REQUEUABLE, "requeue", [m])
+            copied = _requeued_as(conn, [r.id for r in targets])
+            if copied:
+                listed = ", ".join(f"{old} (as {new})" for old, new in sorted(copied.items()))
+                raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
+            pairs = [(old.id, _copy(conn, old, actor, reason, now)) for old in targets]
+        return pairs
+    for conn, batch in _filtered_batches(engine, where, REQUEUABLE, "requeue", [m], batch_size, ~_has_copy()):
+        # Read again under the lock: a concurrent requeue may have committed a copy since the query began.
+        copied = _requeued_as(conn, [r.id for r in batch])
+        pairs += [(old.id, _copy(conn, old, actor, reason, now)) for old in batch if old.id not in copied]
+    return pairs
+
+
+def _discard_one(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> bool:
+    changed = conn.execute(
+        update(m)
+        .where(m.c.id == old.id, m.c.status.in_(DISCARDABLE))
+        .values(status="discarded", updated_at=now, locked_by=None, locked_until=None)
+    ).rowcount
+    if changed:
+        _record_action(conn, old, "discarded", actor, reason, now)
+    return bool(changed)
+
+
+def discard(
+    engine: Engine, where: MessageFilter, *, reason: str, actor: str, batch_size: int = ACTION_BATCH
+) -> list[int]:
+    """Mark pending or dead messages as no longer wanted; each gets a ``discarded`` history row.
+
+    Named ids are acted on in one transaction, all or none; a filter works in
+    batches of ``batch_size``, each its own transaction, and never reads, locks
+    or changes a running message (it belongs to a relay).
+    """
+    _check_reason(reason, actor)
+    _check_batch_size(batch_size)
+    now = _now()
+    columns = [m.c.id, m.c.status, m.c.attempts]
+    if where.ids:
+        with engine.begin() as conn:
+            return [
+                r.id
+                for r in _named(conn, where, DISCARDABLE, "discard", columns)
+                if _discard_one(conn, r, actor, reason, now)
+            ]
+    done: list[int] = []
+    for conn, batch in _filtered_batches(engine, where, DISCARDABLE, "discard", columns, batch_size):
+        done += [r.id for r in batch if _discard_one(conn, r, actor, reason, now)]
+    return done
+
+
+def _make_due(
+    conn: Connection, rows: Sequence[Row[Any]], actor: str, reason: str, now: datetime
+) -> list[int]:
+    """Make those of ``rows`` still waiting due at ``now``, each with a history row; returns their ids."""
+    if not rows:
+        return []
+    due = set(
+        conn.execute(
+            update(m)
+            .where(
+                m.c.id.in_([r.id for r in rows]),
+                m.c.status == "pending",
+                m.c.available_at > literal(now, m.c.available_at.type),
+            )
+            .values(available_at=now, updated_at=now)
+            .returning(m.c.id)
+        ).scalars()
+    )
+    for row in rows:
+        if row.id in due:
+            due_at = row.available_at.isoformat()
+            _record_action(conn, row, "retried_now", actor, reason, now, was_due_at=due_at)
+    if due and conn.dialect.name == "postgresql":
+        # An UPDATE does not fire the NOTIFY trigger (it is on INSERT): wake the relays ourselves.
+        conn.execute(text("SELECT pg_notify('outbox', current_schema())"))
+    return sorted(due)
+
+
+def retry_now(
+    engine: Engine,
+    where: MessageFilter,
+    *,
+    reason: str,
+    actor: str,
+    include_delayed: bool = False,
+    batch_size: int = ACTION_BATCH,
+) -> list[int]:
+    """Make pending messages that wait out a backoff due now; returns their ids, in id order.
+
+    A message a relay attempted before (it has history) and whose
+    ``available_at`` lies in the future gets ``available_at`` = now and a
+    ``retried_now`` history row naming the actor, the reason and
+    ``detail.was_due_at``. Its attempt count, priority, queue and group stay as
+    they are: it is the same message, retried sooner. On PostgreSQL the relays
+    are woken at once (NOTIFY on the channel they listen on).
+
+    A message emitted with a ``delay`` and never attempted is left alone, since
+    someone asked for that delay: ``include_delayed=True`` pulls those forward
+    too. Running, delivered, dead and discarded messages, and pending ones
+    already due, are never touched.
+
+    Named ids are acted on in one transaction, all or none: each must be
+    waiting. A filter works in batches of ``batch_size``, each its own
+    transaction, and never reads, locks or changes a message in another status
+    than pending.
+    """
+    _check_reason(reason, actor)
+    _check_batch_size(batch_size)
+    now = _now()
+    columns = [m.c.id, m.c.status, m.c.attempts, m.c.available_at]
+    waiting = _waiting(now, include_delayed)
+    if where.ids:
+        with engine.begin() as conn:
+            targets = _named_waiting(conn, where, now, include_delayed, columns)
+            done = _make_due(conn, targets, actor, reason, now)
+            if len(done) != len(targets):  # SQLite takes no row locks: a relay may have claimed one since
+                changed = sorted({r.id for r in targets} - set(done))
+                raise OpsError(f"message {', '.join(map(str, changed))} changed meanwhile; try again")
+            return done
+    acted: list[int] = []
+    batches = _filtered_batches(engine, where, ("pending",), "retry-now", columns, batch_size, *waiting)
+    for conn, batch in batches:
+        acted += _make_due(conn, batch, actor, reason, now)
+    return acted
+
+
+def _named_waiting(
+    conn: Connection, where: MessageFilter, now: datetime, include_delayed: bool, columns: Sequence[Any]
+) -> list[Row[Any]]:
+    """The rows of named ids, locked; each must be waiting (see :func:`retry_now`), or none is acted on.
+
+    As in :func:`_named`, statuses are read without a lock and only waiting rows are locked.
+    """
+    state = select(m.c.id, m.c.status, m.c.available_at, _tried().label("tried"))
+    found = {r.id: r for r in conn.execute(where.apply(state))}
+    missing = [i for i in where.ids if i not in found]
+    if missing:
+        raise NotFound(f"no message with id {', '.join(map(str, missing))}")
+    wrong: list[str] = []
+    for i, r in sorted(found.items()):
+        if r.status != "pending":
+            wrong.append(f"{i} ({r.status})")
+        elif r.available_at <= now:
+            wrong.append(f"{i} (due already)")
+        elif not include_delayed and not r.tried:
+            wrong.append(f"{i} (delayed at emit, never attempted)")
+    if wrong:
+        delayed = any("delayed" in w for w in wrong)
+        hint = "; include delayed messages to pull those forward" if delayed else ""
+        raise OpsError(
+            f"can only retry-now pending messages waiting to be retried; not {', '.join(wrong)}{hint}"
+        )
+    stmt = where.apply(select(*columns)).where(*_waiting(now, include_delayed)).order_by(m.c.id)
+    if conn.dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    rows = list(conn.execute(stmt))
+    changed = sorted(set(found) - {r.id for r in rows})
+    if changed:  # a relay claimed it, or another operator acted, between the two reads
+        raise OpsError(f"message {', '.join(map(str, changed))} changed meanwhile; try again")
+    return rows

@@ -1,0 +1,74 @@
+"""What every operation shares: the errors, the clock, durations, the checks on actor and reason."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import ColumnElement, select
+
+from ._exceptions import OutboxError
+from ._tables import outbox_attempt, outbox_message
+
+m = outbox_message
+a = outbox_attempt
+
+REQUEUABLE = ("dead", "discarded")
+DISCARDABLE = ("pending", "dead")
+#: The idempotency_key column's width.
+KEY_LIMIT = 255
+#: Messages a filter-based requeue or discard reads, locks and changes per transaction.
+ACTION_BATCH = 500
+
+
+class OpsError(OutboxError):
+    """An operation was asked for something it must refuse (wrong status, bad filter, bad duration)."""
+
+
+class NotFound(OpsError):
+    """No message has the given id."""
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` → timedelta; anything else is refused."""
+    match = _DURATION.match(text)
+    if not match:
+        raise OpsError(f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)")
+    try:
+        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    except (OverflowError, ValueError):  # past timedelta's 999,999,999 days, or inf
+        raise OpsError(f"duration {text!r} is too long: at most 999999999d") from None
+
+
+def _before(now: datetime, age: timedelta, what: str) -> datetime:
+    """``now - age``, refused in one line when it would fall before year 1."""
+    try:
+        return now - age
+    except OverflowError:
+        raise OpsError(f"{what} {age.days}d reaches back before year 1; give a shorter age") from None
+
+
+def _has_copy() -> ColumnElement[bool]:
+    """True for an ``outbox_message`` row that a requeued copy points at (ix_outbox_message_requeued_from)."""
+    copy = m.alias("requeued_copy")
+    return select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists()
+
+
+def _check_reason(reason: str, actor: str) -> None:
+    if not isinstance(reason, str) or not reason.strip():
+        raise OpsError("a reason is required: it is what the audit trail will say")
+    if not isinstance(actor, str) or not actor.strip():
+        raise OpsError("an actor is required")
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise OpsError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")

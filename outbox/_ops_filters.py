@@ -1,0 +1,193 @@
+"""Which messages an operation reads or acts on: ``MessageFilter``, candidates, locked batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, Select, func, literal, select
+from sqlalchemy.engine import Connection, Engine, Row
+
+from ._ops_base import (
+    DISCARDABLE,
+    REQUEUABLE,
+    NotFound,
+    OpsError,
+    _has_copy,
+    _now,
+    a,
+    m,
+)
+from ._where import PayloadEquals
+
+
+@dataclass(frozen=True, slots=True)
+class MessageFilter:
+    """Equality filters plus a created-at window; every field optional, all of them must hold.
+
+    ``payload`` holds conditions on values inside the payload
+    (:func:`parse_where` reads the command line's ``payload.PATH=VALUE``).
+    """
+
+    status: str | None = None
+    handler: str | None = None
+    event_type: str | None = None
+    queue: str | None = None
+    key: str | None = None
+    group_key: str | None = None
+    created_since: datetime | None = None
+    created_before: datetime | None = None
+    ids: Sequence[int] = field(default_factory=tuple)
+    payload: Sequence[PayloadEquals] = field(default_factory=tuple)
+
+    def apply(self, stmt: Select[Any]) -> Select[Any]:
+        from ._tables import MESSAGE_STATUSES
+
+        if self.status is not None and self.status not in MESSAGE_STATUSES:
+            raise OpsError(f"unknown status {self.status!r}; one of {', '.join(MESSAGE_STATUSES)}")
+        for column, value in (
+            (m.c.status, self.status),
+            (m.c.handler, self.handler),
+            (m.c.event_type, self.event_type),
+            (m.c.queue, self.queue),
+            (m.c.idempotency_key, self.key),
+            (m.c.group_key, self.group_key),
+        ):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        if self.created_since is not None:
+            stmt = stmt.where(m.c.created_at >= literal(self.created_since, m.c.created_at.type))
+        if self.created_before is not None:
+            stmt = stmt.where(m.c.created_at < literal(self.created_before, m.c.created_at.type))
+        if self.ids:
+            stmt = stmt.where(m.c.id.in_(list(self.ids)))
+        for condition in self.payload:
+            stmt = stmt.where(condition.condition())
+        return stmt
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.ids
+            or self.payload
+            or any(
+                v is not None
+                for v in (
+                    self.status,
+                    self.handler,
+                    self.event_type,
+                    self.queue,
+                    self.key,
+                    self.group_key,
+                    self.created_since,
+                    self.created_before,
+                )
+            )
+        )
+
+
+def _named(
+    conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str, columns: Sequence[Any]
+) -> list[Row[Any]]:
+    """The rows of named ids, locked; every id must exist and have an allowed status, or none is acted on.
+
+    The statuses are checked without a lock, and only rows in an allowed status
+    are locked: a running message belongs to a relay, which must never wait for
+    an operator's refused command.
+    """
+    found: dict[int, str] = {r.id: r.status for r in conn.execute(where.apply(select(m.c.id, m.c.status)))}
+    missing = [i for i in where.ids if i not in found]
+    if missing:
+        raise NotFound(f"no message with id {', '.join(map(str, missing))}")
+    wrong = sorted((i, s) for i, s in found.items() if s not in allowed)
+    if wrong:
+        listed = ", ".join(f"{i} ({s})" for i, s in wrong)
+        raise OpsError(f"can only {verb} {' or '.join(allowed)} messages; not {listed}")
+    stmt = where.apply(select(*columns)).where(m.c.status.in_(allowed)).order_by(m.c.id)
+    if conn.dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    rows = list(conn.execute(stmt))
+    changed = sorted(set(found) - {r.id for r in rows})
+    if changed:  # a relay claimed it, or another operator acted, between the two reads
+        raise OpsError(f"message {', '.join(map(str, changed))} changed status meanwhile; try again")
+    return rows
+
+
+def _filtered_batches(
+    engine: Engine,
+    where: MessageFilter,
+    allowed: tuple[str, ...],
+    verb: str,
+    columns: Sequence[Any],
+    batch_size: int,
+    *extra: ColumnElement[bool],
+) -> Iterator[tuple[Connection, list[Row[Any]]]]:
+    """Rows a filter matches in an allowed status, ``batch_size`` at a time, a transaction each.
+
+    The status condition is part of the query, so rows in any other status
+    (running ones above all: they belong to a relay) are neither loaded nor
+    locked. Each batch is committed before the next is read, so no lock is held
+    for long and memory stays bounded however many rows match.
+    """
+    if where.empty:
+        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
+    after = 0
+    while True:
+        with engine.begin() as conn:
+            stmt = (
+                where.apply(select(*columns))
+                .where(m.c.status.in_(allowed), m.c.id > after, *extra)
+                .order_by(m.c.id)
+                .limit(batch_size)
+            )
+            if conn.dialect.name == "postgresql":
+                stmt = stmt.with_for_update()
+            rows = list(conn.execute(stmt))
+            if not rows:
+                return
+            yield conn, rows
+        after = rows[-1].id
+
+
+def _tried() -> ColumnElement[bool]:
+    """True for an ``outbox_message`` row with history: attempted before (ix_outbox_attempt_message_id)."""
+    return select(a.c.id).where(a.c.message_id == m.c.id).exists()
+
+
+def _waiting(now: datetime, include_delayed: bool) -> list[ColumnElement[bool]]:
+    """Pending and not due yet; unless ``include_delayed``, also attempted before (a backoff, not a delay)."""
+    waiting = [m.c.status == "pending", m.c.available_at > literal(now, m.c.available_at.type)]
+    return waiting if include_delayed else [*waiting, _tried()]
+
+
+def _candidates(where: MessageFilter, verb: str, include_delayed: bool = False) -> Select[Any]:
+    if where.empty:
+        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
+    if verb == "requeue":
+        return where.apply(select(m.c.id)).where(m.c.status.in_(REQUEUABLE), ~_has_copy())
+    if verb == "discard":
+        return where.apply(select(m.c.id)).where(m.c.status.in_(DISCARDABLE))
+    if verb in ("retry-now", "retry_now"):
+        return where.apply(select(m.c.id)).where(*_waiting(_now(), include_delayed))
+    raise OpsError(f"unknown action {verb!r}; one of requeue, discard, retry-now")
+
+
+def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
+    """The ids a filter-based :func:`requeue` would copy now."""
+    with engine.connect() as conn:
+        return list(conn.execute(_candidates(where, "requeue").order_by(m.c.id)).scalars())
+
+
+def count_candidates(
+    engine: Engine, where: MessageFilter, verb: str, *, include_delayed: bool = False
+) -> int:
+    """How many messages a filter-based ``requeue``, ``discard`` or ``retry-now`` (``verb``) would act on now.
+
+    What a confirmation prompt counts, without loading the rows.
+    ``include_delayed`` is :func:`retry_now`'s.
+    """
+    candidates = _candidates(where, verb, include_delayed).subquery()
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(candidates)).scalar_one())

@@ -1,0 +1,181 @@
+"""Reading stored messages: ``stats``, ``list_messages``, ``show``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import case, func, literal, select
+from sqlalchemy.engine import Engine, Row
+
+from ._ops_base import (
+    NotFound,
+    OpsError,
+    _has_copy,
+    _now,
+    a,
+    m,
+)
+from ._ops_filters import MessageFilter
+from ._pause import Pause, PauseSpan, paused_on, spans_over
+from ._redact import Redactor
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """What ``outbox stats`` shows.
+
+    ``by_status`` counts rows as stored. A requeued original stays ``dead`` for
+    the record, so ``dead`` counts only dead messages nobody has acted on yet
+    (no copy points back at them): the figure to alert on, which goes down
+    when an operator requeues. ``dead_requeued`` counts the others; the two add
+    up to ``by_status["dead"]``.
+    """
+
+    by_status: dict[str, int]
+    by_handler_status: dict[str, dict[str, int]]
+    oldest_pending_age_s: dict[str, float]  # per queue: due pending messages, from available_at
+    delivered_last_hour: int
+    failed_last_hour: int  # attempts that did not deliver (retry, failed, timeout, dead, lease_expired)
+    dead: int  # dead and not requeued: waiting for an operator
+    dead_requeued: int = 0  # dead, with a requeued copy
+    # per queue: pending (due or not, retries included) or running messages, from created_at
+    oldest_unfinished_age_s: dict[str, float] = field(default_factory=dict)
+    # queues and handlers paused now, oldest first, each with the pending messages it holds back
+    paused: list[Pause] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "by_status": self.by_status,
+            "by_handler_status": self.by_handler_status,
+            "oldest_pending_age_s": self.oldest_pending_age_s,
+            "oldest_unfinished_age_s": self.oldest_unfinished_age_s,
+            "delivered_last_hour": self.delivered_last_hour,
+            "failed_last_hour": self.failed_last_hour,
+            "dead": self.dead,
+            "dead_requeued": self.dead_requeued,
+            "paused": [p.as_dict() for p in self.paused],
+        }
+
+
+def stats(engine: Engine) -> Stats:
+    now = _now()
+    hour_ago = now - timedelta(hours=1)
+    with engine.connect() as conn:
+        by_handler: dict[str, dict[str, int]] = {}
+        by_status: dict[str, int] = {}
+        for handler, status, count in conn.execute(
+            select(m.c.handler, m.c.status, func.count()).group_by(m.c.handler, m.c.status)
+        ):
+            by_handler.setdefault(handler, {})[status] = count
+            by_status[status] = by_status.get(status, 0) + count
+        oldest = {
+            queue: max(0.0, (now - first).total_seconds())
+            for queue, first in conn.execute(
+                select(m.c.queue, func.min(m.c.available_at))
+                .where(m.c.status == "pending", m.c.available_at <= literal(now, m.c.available_at.type))
+                .group_by(m.c.queue)
+            )
+            if first is not None
+        }
+        unfinished = {
+            queue: max(0.0, (now - first).total_seconds())
+            for queue, first in conn.execute(
+                select(m.c.queue, func.min(m.c.created_at))
+                .where(m.c.status.in_(("pending", "running")))
+                .group_by(m.c.queue)
+            )
+            if first is not None
+        }
+        # One statement, so the two figures add up even while an operator requeues.
+        dead_total, dead_requeued = conn.execute(
+            select(func.count(), func.coalesce(func.sum(case((_has_copy(), 1), else_=0)), 0)).where(
+                m.c.status == "dead"
+            )
+        ).one()
+        outcomes: dict[str, int] = dict(
+            conn.execute(
+                select(a.c.outcome, func.count())
+                .where(a.c.started_at >= literal(hour_ago, a.c.started_at.type))
+                .group_by(a.c.outcome)
+            ).all()
+        )
+        paused = paused_on(conn)
+    failed = sum(outcomes.get(o, 0) for o in ("retry", "failed", "timeout", "dead", "lease_expired"))
+    return Stats(
+        by_status=by_status,
+        by_handler_status=by_handler,
+        oldest_pending_age_s=oldest,
+        delivered_last_hour=outcomes.get("delivered", 0),
+        failed_last_hour=failed,
+        dead=dead_total - dead_requeued,
+        dead_requeued=dead_requeued,
+        oldest_unfinished_age_s=unfinished,
+        paused=paused,
+    )
+
+
+def list_messages(
+    engine: Engine, where: MessageFilter | None = None, *, limit: int = 50, before_id: int | None = None
+) -> list[Row[Any]]:
+    """Newest first. Page with ``before_id`` = the last id of the previous page (stable under inserts)."""
+    if limit < 1:
+        raise OpsError(f"limit must be at least 1, got {limit}")
+    stmt = (where or MessageFilter()).apply(
+        select(
+            m.c.id,
+            m.c.event_type,
+            m.c.handler,
+            m.c.queue,
+            m.c.status,
+            m.c.attempts,
+            m.c.max_attempts,
+            m.c.idempotency_key,
+            m.c.group_key,
+            m.c.created_at,
+            m.c.available_at,
+            m.c.last_error,
+            m.c.requeued_from,
+        )
+    )
+    if before_id is not None:
+        stmt = stmt.where(m.c.id < before_id)
+    with engine.connect() as conn:
+        return list(conn.execute(stmt.order_by(m.c.id.desc()).limit(limit)))
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHistory:
+    message: dict[str, Any]
+    attempts: list[dict[str, Any]]
+    #: pauses of its queue or handler while it was unfinished (from outbox_pause_log)
+    pauses: list[PauseSpan] = field(default_factory=list)
+
+
+def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> MessageHistory:
+    """A message (payload and headers with secret-looking fields masked), its attempts in order, its pauses.
+
+    ``pauses`` are the pauses of the message's queue or handler that overlapped
+    its unfinished life (from ``created_at`` to its last update once delivered,
+    dead or discarded; to now otherwise), read from the pause log: nothing is
+    written per message when a queue is paused.
+    """
+    redactor = Redactor(secrets)
+    with engine.connect() as conn:
+        row = conn.execute(select(m).where(m.c.id == message_id)).first()
+        if row is None:
+            raise NotFound(f"no message with id {message_id}")
+        attempts = list(conn.execute(select(a).where(a.c.message_id == message_id).order_by(a.c.id)))
+        finished = row.status in ("delivered", "dead", "discarded")
+        pauses = spans_over(
+            conn,
+            [("queue", row.queue), ("handler", row.handler)],
+            row.created_at,
+            row.updated_at if finished else None,
+        )
+    message = dict(row._mapping)
+    message["payload"] = redactor.value(message["payload"])
+    message["headers"] = redactor.value(message["headers"])
+    return MessageHistory(message=message, attempts=[dict(r._mapping) for r in attempts], pauses=pauses)
