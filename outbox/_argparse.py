@@ -10,9 +10,18 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-__all__ = ["OneLineParser"]
+__all__ = ["OneLineParser", "shown"]
 
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def shown(value: str) -> str:
+    """A command-line value quoted for an error line: cut short, bytes that are not UTF-8 as ``\\xff``."""
+    try:  # argv bytes that are not UTF-8 arrive as lone surrogates: show the bytes themselves
+        raw = value[:40].encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = value[:40].encode("utf-8", "backslashreplace")
+    return f"'{raw.decode('utf-8', 'backslashreplace')}'" + ("..." if len(value) > 40 else "")

@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from . import ops
-from ._argparse import OneLineParser
+from ._argparse import OneLineParser, shown
 from ._exceptions import ConfigurationError
 from ._migrations import BRANCH
 from ._payload import text_problem
@@ -36,7 +36,7 @@ def _text(value: str) -> str:
     problem = text_problem(value)
     if problem:
         raise argparse.ArgumentTypeError(
-            f"{_shown(value)} " + ("is not valid UTF-8 text" if "surrogate" in problem else problem)
+            f"{shown(value)} " + ("is not valid UTF-8 text" if "surrogate" in problem else problem)
         )
     return value
 
@@ -46,7 +46,7 @@ def _timestamp(value: str) -> datetime:
         parsed = datetime.fromisoformat(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected an ISO date or time (2026-12-01T10:00), got {_shown(value)}"
+            f"expected an ISO date or time (2026-12-01T10:00), got {shown(value)}"
         ) from None
     if parsed.tzinfo is None:
         return parsed.replace(tzinfo=UTC)
@@ -87,25 +87,16 @@ def login_name() -> str:
         return f"uid:{getuid()}" if getuid is not None else "unknown"
 
 
-def _shown(value: str) -> str:
-    """A command-line value quoted for an error line: cut short, bytes that are not UTF-8 as ``\\xff``."""
-    try:  # argv bytes that are not UTF-8 arrive as lone surrogates: show the bytes themselves
-        raw = value[:40].encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        raw = value[:40].encode("utf-8", "backslashreplace")
-    return f"'{raw.decode('utf-8', 'backslashreplace')}'" + ("..." if len(value) > 40 else "")
-
-
 def _whole(value: str, expected: str) -> int:
     digits = value.strip().lstrip("+-")
     if len(digits) > len(str(MAX_ID)):  # before int(): 5,000 digits would hit Python's own limit
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {_shown(value)}")
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {shown(value)}")
     try:
         number = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{expected}, got {_shown(value)}") from None
+        raise argparse.ArgumentTypeError(f"{expected}, got {shown(value)}") from None
     if number > MAX_ID:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {_shown(value)}")
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {shown(value)}")
     return number
 
 
@@ -143,7 +134,7 @@ def _interval(value: str) -> float:
     except ValueError:
         seconds = float("nan")
     if not 0.01 <= seconds <= 3600:  # nan fails too
-        raise argparse.ArgumentTypeError(f"expected seconds from 0.01 to 3600, got {_shown(value)}")
+        raise argparse.ArgumentTypeError(f"expected seconds from 0.01 to 3600, got {shown(value)}")
     return seconds
 
 

@@ -35,7 +35,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from outbox import ConfigurationError, Outbox
-from outbox._argparse import OneLineParser
+from outbox._argparse import OneLineParser, shown
 from outbox._payload import text_problem
 from outbox._routes import check_name
 from outbox._urls import check_url
@@ -61,15 +61,6 @@ MAX_COUNT = 2**31 - 1
 MAX_SECONDS = 365 * 24 * 3600.0
 
 
-def _shown(value: str) -> str:
-    """A command-line value quoted for an error line: cut short, bytes that are not UTF-8 as ``\\xff``."""
-    try:  # argv bytes that are not UTF-8 arrive as lone surrogates: show the bytes themselves
-        raw = value[:40].encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        raw = value[:40].encode("utf-8", "backslashreplace")
-    return f"'{raw.decode('utf-8', 'backslashreplace')}'" + ("..." if len(value) > 40 else "")
-
-
 def _number(
     kind: Callable[[str], Any], low: float, inclusive: bool = False, high: float | None = None
 ) -> Callable[[str], Any]:
@@ -78,19 +69,19 @@ def _number(
 
     def parse(value: str) -> Any:
         if len(value.strip()) > 40:  # before int(): 5,000 digits would hit Python's own limit
-            raise argparse.ArgumentTypeError(f"must be at most {shown_top}, got {_shown(value)}")
+            raise argparse.ArgumentTypeError(f"must be at most {shown_top}, got {shown(value)}")
         try:
             number = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {_shown(value)}") from None
+            raise argparse.ArgumentTypeError(f"expected a number, got {shown(value)}") from None
         if not math.isfinite(number):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {_shown(value)}")
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {shown(value)}")
         if number < low or (number == low and not inclusive):
             raise argparse.ArgumentTypeError(
-                f"must be {'>=' if inclusive else '>'} {low:g}, got {_shown(value)}"
+                f"must be {'>=' if inclusive else '>'} {low:g}, got {shown(value)}"
             )
         if number > top:
-            raise argparse.ArgumentTypeError(f"must be at most {shown_top}, got {_shown(value)}")
+            raise argparse.ArgumentTypeError(f"must be at most {shown_top}, got {shown(value)}")
         return number
 
     return parse
@@ -101,7 +92,7 @@ def _name(what: str) -> Callable[[str], str]:
 
     def parse(value: str) -> str:
         if text_problem(value):
-            raise argparse.ArgumentTypeError(f"{_shown(value)} is not valid UTF-8 text")
+            raise argparse.ArgumentTypeError(f"{shown(value)} is not valid UTF-8 text")
         try:
             return check_name(what, value)
         except ConfigurationError as exc:
@@ -112,14 +103,14 @@ def _name(what: str) -> Callable[[str], str]:
 
 def _text(value: str) -> str:
     if text_problem(value):
-        raise argparse.ArgumentTypeError(f"{_shown(value)} is not valid UTF-8 text")
+        raise argparse.ArgumentTypeError(f"{shown(value)} is not valid UTF-8 text")
     return value
 
 
 def _queue_limit(value: str) -> tuple[str, int]:
     name, sep, number = value.partition("=")
     if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"expected QUEUE=N, got {_shown(value)}")
+        raise argparse.ArgumentTypeError(f"expected QUEUE=N, got {shown(value)}")
     limit = _number(int, 1, inclusive=True)(number.strip())
     return _name("queue")(name.strip()), int(limit)
 
