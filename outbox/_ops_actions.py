@@ -23,7 +23,7 @@ from ._ops_base import (
     a,
     m,
 )
-from ._ops_filters import MessageFilter, _filtered_batches, _named, _tried, _waiting
+from ._ops_filters import MessageFilter, _filtered_batches, _lock_all, _named, _tried, _waiting
 
 
 def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
@@ -282,11 +282,5 @@ def _named_waiting(
         raise OpsError(
             f"can only retry-now pending messages waiting to be retried; not {', '.join(wrong)}{hint}"
         )
-    stmt = where.apply(select(*columns)).where(*_waiting(now, include_delayed)).order_by(m.c.id)
-    if conn.dialect.name == "postgresql":
-        stmt = stmt.with_for_update()
-    rows = list(conn.execute(stmt))
-    changed = sorted(set(found) - {r.id for r in rows})
-    if changed:  # a relay claimed it, or another operator acted, between the two reads
-        raise OpsError(f"message {', '.join(map(str, changed))} changed meanwhile; try again")
-    return rows
+    stmt = where.apply(select(*columns)).where(*_waiting(now, include_delayed))
+    return _lock_all(conn, stmt, found, "changed meanwhile")

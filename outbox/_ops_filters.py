@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -105,13 +105,19 @@ def _named(
     if wrong:
         listed = ", ".join(f"{i} ({s})" for i, s in wrong)
         raise OpsError(f"can only {verb} {' or '.join(allowed)} messages; not {listed}")
-    stmt = where.apply(select(*columns)).where(m.c.status.in_(allowed)).order_by(m.c.id)
+    stmt = where.apply(select(*columns)).where(m.c.status.in_(allowed))
+    return _lock_all(conn, stmt, found, "changed status meanwhile")
+
+
+def _lock_all(conn: Connection, stmt: Select[Any], found: Iterable[int], change: str) -> list[Row[Any]]:
+    """Lock the rows ``stmt`` still selects; all of ``found`` must be among them, or none is acted on."""
+    stmt = stmt.order_by(m.c.id)
     if conn.dialect.name == "postgresql":
         stmt = stmt.with_for_update()
     rows = list(conn.execute(stmt))
     changed = sorted(set(found) - {r.id for r in rows})
     if changed:  # a relay claimed it, or another operator acted, between the two reads
-        raise OpsError(f"message {', '.join(map(str, changed))} changed status meanwhile; try again")
+        raise OpsError(f"message {', '.join(map(str, changed))} {change}; try again")
     return rows
 
 
