@@ -13,14 +13,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from relayproc import APPS, RelayProcess, relay_command, relay_env, wait_until
-from sqlalchemy import create_engine, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import create_engine, select
 from sqlalchemy.orm import sessionmaker
 
 import outbox
@@ -174,25 +171,6 @@ def test_an_unreachable_database_exits_1_with_one_line(tmp_path):
     assert_one_line_error(result, 1, "cannot reach the database", "127.0.0.1:1")
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def unmigrated_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A reachable database without the outbox tables."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'empty.db'}"
-        return
-    base = request.getfixturevalue("pg_base_url")
-    name = f"outbox_empty_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
 @pytest.mark.parametrize(
     ("flag", "env"),
     [(["--queue", "\udcff"], {}), ([], {"OUTBOX_QUEUES": "mail,\udcff"}), (["--relay-id", "\udcff"], {})],
@@ -204,8 +182,8 @@ def test_text_that_is_not_utf_8_is_refused_before_the_database_sees_it(database_
     assert_one_line_error(result, 2, "not valid UTF-8", usage=True)
 
 
-def test_a_database_without_the_outbox_tables_exits_1_pointing_at_outbox_migrate(tmp_path, unmigrated_url):
-    result = run_relay("--app", APP, "--database-url", unmigrated_url, cwd=tmp_path)
+def test_a_database_without_the_outbox_tables_exits_1_pointing_at_outbox_migrate(tmp_path, empty_url):
+    result = run_relay("--app", APP, "--database-url", empty_url, cwd=tmp_path)
     assert_one_line_error(result, 1, "outbox tables are missing", "outbox migrate")
 
 
