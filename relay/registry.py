@@ -51,11 +51,14 @@ def _rate_limit(handler: object) -> float | None:
     return None
 
 
-def handler_states(routes: Mapping[str, Route]) -> dict[str, dict[str, Any]]:
+def handler_states(
+    routes: Mapping[str, Route], *, warned: set[str] | None = None
+) -> dict[str, dict[str, Any]]:
     """``{route: {"breakers": {destination: is_open}, "rate_limit": per_second_or_None}}``.
 
     A handler's own ``outbox_breaker_states()`` that raises reports no breakers:
-    a broken status hook must not cost the relay its row.
+    a broken status hook must not cost the relay its row. It is logged once per
+    route (``warned`` remembers which), not every period.
     """
     states: dict[str, dict[str, Any]] = {}
     for name, route in sorted(routes.items()):
@@ -65,7 +68,14 @@ def handler_states(routes: Mapping[str, Route]) -> dict[str, dict[str, Any]]:
             try:
                 breakers = {str(k): bool(v) for k, v in dict(report()).items()}
             except Exception:
-                breakers = {}
+                if warned is not None and name not in warned:
+                    warned.add(name)
+                    log.warning(
+                        "route %r: outbox_breaker_states() raised; its breakers are left out of outbox_relay",
+                        name,
+                        exc_info=True,
+                        extra={"action": "registry_error", "handler": name},
+                    )
         states[name] = {"breakers": breakers, "rate_limit": _rate_limit(route.handler)}
     return states
 
@@ -139,10 +149,11 @@ class Registry:
         self._in_flight = in_flight
         self._registered = False
         self._failing = False
+        self._warned: set[str] = set()  # routes whose breaker report raised, logged once
 
     def _snapshot(self) -> tuple[int, dict[str, Any]]:
         """Read on the event loop, which owns the in-flight tasks; only the write goes to a thread."""
-        return self._in_flight(), handler_states(self._rt.routes)
+        return self._in_flight(), handler_states(self._rt.routes, warned=self._warned)
 
     async def write_once(self) -> None:
         in_flight, handlers = self._snapshot()
@@ -190,7 +201,7 @@ class Registry:
             task.cancel()  # no refresh after the stamp, and none racing it
         await asyncio.gather(*mine, return_exceptions=True)
         try:
-            await self._rt.db(self._sql.stop, handler_states(self._rt.routes))
+            await self._rt.db(self._sql.stop, handler_states(self._rt.routes, warned=self._warned))
         except SQLAlchemyError as exc:
             if not self._failing:
                 log.warning(

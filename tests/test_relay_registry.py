@@ -232,3 +232,31 @@ def test_a_draining_relay_writes_no_row_and_a_bad_interval_is_refused(engine, ob
         Relay(ob, engine, registry_interval=0)
     with engine.connect() as conn:
         assert conn.execute(select(m.c.status)).scalar_one() == "delivered"
+
+
+class BrokenReport:
+    """A handler whose breaker report always raises (user code)."""
+
+    def __call__(self, msg: Any) -> None:
+        pass
+
+    def outbox_breaker_states(self) -> dict[str, bool]:
+        raise RuntimeError("breaker report bug")
+
+
+def test_a_raising_breaker_report_leaves_its_breakers_out_and_is_logged_once(engine, ob, caplog):
+    ob.route("e", BrokenReport(), name="broken")
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    relay = serving(ob, engine, "hooked")
+    try:
+        first = wait_until(lambda: seen(engine, "hooked"), "the row")
+        wait_until(
+            lambda: (row := seen(engine, "hooked")) is not None and row.seen_at > first.seen_at,
+            "a refresh after the first write",
+        )
+    finally:
+        relay.stop()
+    final = seen(engine, "hooked")
+    assert final is not None and final.handlers["broken"].breakers == {}
+    errors = [rec for rec in caplog.records if getattr(rec, "action", "") == "registry_error"]
+    assert [(rec.handler, bool(rec.exc_info)) for rec in errors] == [("broken", True)]
