@@ -1,4 +1,4 @@
-"""Which relays are alive: ``outbox_relay``, as each relay last wrote it.
+"""Which relays are alive: ``outbox_relay_registry``, as each relay last wrote it.
 
 Relays keep their state in memory; the registry row is the one place an
 operator, or a dashboard, can see all of them at once without scraping each
@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Connection, Engine
 
 from ._ops_base import OpsError, _now
-from ._tables import outbox_relay
+from ._tables import outbox_relay_registry
 
 __all__ = ["MISSED_PERIODS", "REGISTRY_PERIOD", "HandlerSeen", "RelaySeen", "relays"]
 
@@ -34,7 +34,7 @@ REGISTRY_PERIOD = 5.0
 #: Periods without a write after which a relay that did not say it stopped is taken for dead.
 MISSED_PERIODS = 3
 
-r = outbox_relay
+r = outbox_relay_registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,7 @@ class HandlerSeen:
 
 @dataclass(frozen=True, slots=True)
 class RelaySeen:
-    """One ``outbox_relay`` row, and whether that relay is alive now."""
+    """One ``outbox_relay_registry`` row, and whether that relay is alive now."""
 
     relay_id: str
     host: str

@@ -41,7 +41,7 @@ __all__ = [
     "outbox_message",
     "outbox_pause",
     "outbox_pause_log",
-    "outbox_relay",
+    "outbox_relay_registry",
     "outbox_retention_run",
 ]
 
@@ -233,8 +233,8 @@ outbox_pause_log = Table(
 #: deleted by a relay, so a crashed relay stays visible with the time it was last seen.
 #: ``queues`` is ``[]`` for a relay that claims every queue (a relay refuses an empty list);
 #: ``handlers`` maps each route to ``{"breakers": {destination: open}, "rate_limit": per_s}``.
-outbox_relay = Table(
-    "outbox_relay",
+outbox_relay_registry = Table(
+    "outbox_relay_registry",
     metadata,
     Column("relay_id", String(255), primary_key=True),
     Column("host", String(255), nullable=False),

@@ -1,4 +1,4 @@
-"""The relay's row in ``outbox_relay``: who it is, that it is alive, what it holds, what its breakers cut off.
+"""The relay's row in ``outbox_relay_registry``: who it is, that it is alive, what it holds, what it cuts off.
 
 What a relay knows about itself (in-flight deliveries, open circuit breakers,
 rate limits) lives in its memory; this row is how an operator or a dashboard
@@ -31,14 +31,14 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from outbox import Route, outbox_relay
+from outbox import Route, outbox_relay_registry
 
 from .runtime import Runtime, first_line, log
 from .store import utcnow
 
 __all__ = ["Registry", "handler_states"]
 
-r = outbox_relay
+r = outbox_relay_registry
 
 
 def _rate_limit(handler: object) -> float | None:
@@ -71,7 +71,7 @@ def handler_states(
                 if warned is not None and name not in warned:
                     warned.add(name)
                     log.warning(
-                        "route %r: outbox_breaker_states() raised; its breakers are left out of outbox_relay",
+                        "route %r: outbox_breaker_states() raised; its breakers are left out of the registry",
                         name,
                         exc_info=True,
                         extra={"action": "registry_error", "handler": name},
@@ -178,7 +178,7 @@ class Registry:
             return  # once per streak: a database that is down says so in the claim loop's lines already
         self._failing = True
         log.warning(
-            "could not write this relay's row in outbox_relay (%s); retrying every %gs",
+            "could not write this relay's row in outbox_relay_registry (%s); retrying every %gs",
             first_line(exc),
             self._period,
             extra={"action": "registry_error", "relay_id": self._rt.id},
@@ -205,7 +205,7 @@ class Registry:
         except SQLAlchemyError as exc:
             if not self._failing:
                 log.warning(
-                    "could not record this relay's stop in outbox_relay (%s)",
+                    "could not record this relay's stop in outbox_relay_registry (%s)",
                     first_line(exc),
                     extra={"action": "registry_error", "relay_id": self._rt.id},
                 )

@@ -12,7 +12,7 @@ Each long-running job has an owner of its own, with its own state:
   and the end of an interrupted drain;
 - :class:`~outbox.relay.db.Listener` (``db.py``): LISTEN/NOTIFY wake-ups;
 - :class:`~outbox.relay.registry.Registry` (``registry.py``): this relay's row
-  in ``outbox_relay``, for operators and dashboards.
+  in ``outbox_relay_registry``, for operators and dashboards.
 
 They share a :class:`~outbox.relay.runtime.Runtime` (settings, wake-up events,
 the database threads), made afresh each time the relay serves or drains. This

@@ -64,10 +64,7 @@ class Roles:
 def roles(pg_url: str) -> Iterator[Roles]:
     suffix = uuid.uuid4().hex[:10]
     names = {role: f"{role}_{suffix}" for role in ROLES}
-    # A role name right after ON is the table of the same name (outbox_relay), not the role.
-    sql = re.sub(
-        r"(?<!ON )\b(outbox_app|outbox_relay|outbox_operator)\b", lambda r: names[r.group(1)], roles_sql()
-    )
+    sql = re.sub(r"\b(outbox_app|outbox_relay|outbox_operator)\b", lambda r: names[r.group(1)], roles_sql())
     assert sql.count("CREATE ROLE") == 3
     admin = create_engine(pg_url)
     with admin.begin() as conn:
@@ -340,12 +337,12 @@ def test_a_relay_keeps_its_registry_row_and_the_operator_reads_it(roles, pg_engi
     (row,) = relays(operator, period=0.1)
     assert (row.relay_id, row.alive) == ("registered", False) and row.stopped_at is not None
 
-    refused(roles.engine("outbox_app"), "SELECT relay_id FROM outbox_relay")
-    refused(relay_engine, "DELETE FROM outbox_relay")
+    refused(roles.engine("outbox_app"), "SELECT relay_id FROM outbox_relay_registry")
+    refused(relay_engine, "DELETE FROM outbox_relay_registry")
     for statement in (
-        "UPDATE outbox_relay SET stopped_at = now()",
-        "DELETE FROM outbox_relay",
-        "INSERT INTO outbox_relay (relay_id, host, pid, started_at, seen_at, queues, handlers)"
+        "UPDATE outbox_relay_registry SET stopped_at = now()",
+        "DELETE FROM outbox_relay_registry",
+        "INSERT INTO outbox_relay_registry (relay_id, host, pid, started_at, seen_at, queues, handlers)"
         " VALUES ('fake', 'h', 1, now(), now(), '[]', '{}')",
     ):
         refused(operator, statement)

@@ -1,4 +1,4 @@
-"""The relay registry: ``outbox_relay``, one row per relay id, written by the relay itself.
+"""The relay registry: ``outbox_relay_registry``, one row per relay id, written by the relay itself.
 
 Revision ID: outbox_0011
 Revises: outbox_0010
@@ -34,7 +34,7 @@ _TS = sa.DateTime(timezone=True)
 
 def upgrade() -> None:
     op.create_table(
-        "outbox_relay",
+        "outbox_relay_registry",
         sa.Column("relay_id", sa.String(255), nullable=False),
         sa.Column("host", sa.String(255), nullable=False),
         sa.Column("pid", sa.Integer(), nullable=False),
@@ -44,10 +44,10 @@ def upgrade() -> None:
         sa.Column("queues", _JSON, nullable=False),
         sa.Column("in_flight", sa.Integer(), nullable=False, server_default=sa.text("0")),
         sa.Column("handlers", _JSON, nullable=False),
-        sa.PrimaryKeyConstraint("relay_id", name="pk_outbox_relay"),
+        sa.PrimaryKeyConstraint("relay_id", name="pk_outbox_relay_registry"),
     )
 
 
 def downgrade() -> None:
     # Nothing is lost that the relays do not write again within seconds of an upgrade.
-    op.drop_table("outbox_relay")
+    op.drop_table("outbox_relay_registry")
