@@ -33,6 +33,7 @@ from ._tables import (
     outbox_message,
     outbox_pause,
     outbox_pause_log,
+    outbox_relay_registry,
     outbox_retention_run,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "outbox_message",
     "outbox_pause",
     "outbox_pause_log",
+    "outbox_relay_registry",
     "outbox_retention_run",
     "signals",
     "upgrade",

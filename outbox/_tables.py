@@ -41,6 +41,7 @@ __all__ = [
     "outbox_message",
     "outbox_pause",
     "outbox_pause_log",
+    "outbox_relay_registry",
     "outbox_retention_run",
 ]
 
@@ -225,4 +226,23 @@ outbox_pause_log = Table(
     # A queue's or handler's pauses in order: what `outbox show` pairs up.
     Index("ix_outbox_pause_log_kind_name", "kind", "name", "id"),
     sqlite_autoincrement=True,
+)
+
+#: One row per relay id, written by that relay (migration outbox_0011): upserted when it
+#: starts, refreshed every few seconds, ``stopped_at`` set when it stops cleanly. Never
+#: deleted by a relay, so a crashed relay stays visible with the time it was last seen.
+#: ``queues`` is ``[]`` for a relay that claims every queue (a relay refuses an empty list);
+#: ``handlers`` maps each route to ``{"breakers": {destination: open}, "rate_limit": per_s}``.
+outbox_relay_registry = Table(
+    "outbox_relay_registry",
+    metadata,
+    Column("relay_id", String(255), primary_key=True),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", UTCDateTime, nullable=False),
+    Column("seen_at", UTCDateTime, nullable=False),
+    Column("stopped_at", UTCDateTime),
+    Column("queues", JSONDocument, nullable=False),
+    Column("in_flight", Integer, nullable=False, server_default=literal_column("0")),
+    Column("handlers", JSONDocument, nullable=False),
 )

@@ -1,4 +1,4 @@
-"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention.
+"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention, relays.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -12,6 +12,7 @@ from ._ops_actions import discard, requeue, requeued_key, retry_now
 from ._ops_base import NotFound, OpsError, parse_duration
 from ._ops_filters import MessageFilter, count_candidates, requeue_candidates
 from ._ops_read import MessageHistory, Stats, list_messages, show, stats
+from ._ops_relays import REGISTRY_PERIOD, HandlerSeen, RelaySeen, relays
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
 from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
 from ._tail import HistoryEntry, HistoryFilter, follow_history
@@ -20,6 +21,8 @@ from ._where import PayloadEquals, WhereError, parse_where
 __all__ = [
     "MAX_PURGE_BATCH",
     "MIN_HISTORY_AGE",
+    "REGISTRY_PERIOD",
+    "HandlerSeen",
     "HistoryEntry",
     "HistoryFilter",
     "MessageFilter",
@@ -32,6 +35,7 @@ __all__ = [
     "PauseSpan",
     "PayloadEquals",
     "PurgeResult",
+    "RelaySeen",
     "Stats",
     "WhereError",
     "count_candidates",
@@ -43,6 +47,7 @@ __all__ = [
     "pause",
     "paused",
     "purge",
+    "relays",
     "requeue",
     "requeue_candidates",
     "requeued_key",

@@ -10,7 +10,9 @@ Each long-running job has an owner of its own, with its own state:
   renews this relay's leases, the recoverer that takes back lapsed ones;
 - :class:`~outbox.relay.shutdown.Shutdown` (``shutdown.py``): the stop sequence
   and the end of an interrupted drain;
-- :class:`~outbox.relay.db.Listener` (``db.py``): LISTEN/NOTIFY wake-ups.
+- :class:`~outbox.relay.db.Listener` (``db.py``): LISTEN/NOTIFY wake-ups;
+- :class:`~outbox.relay.registry.Registry` (``registry.py``): this relay's row
+  in ``outbox_relay_registry``, for operators and dashboards.
 
 They share a :class:`~outbox.relay.runtime.Runtime` (settings, wake-up events,
 the database threads), made afresh each time the relay serves or drains. This
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, outbox_pause, signals
 from outbox._migrations import missing_outbox_table
+from outbox._ops_relays import REGISTRY_PERIOD
 from outbox._redact import Redactor
 from outbox._routes import check_name
 
@@ -55,6 +58,7 @@ from .dispatch import secrets_of
 from .hooks import bind_handlers, shutdown_handlers
 from .leases import LeaseKeeper
 from .metrics import RelayMetrics
+from .registry import Registry
 from .runtime import DrainResult, Runtime, backoff_delay, first_line, log, supervise
 from .shutdown import Shutdown
 from .store import GroupPolicy, Store
@@ -119,6 +123,7 @@ class Relay:
         seed: int | None = None,
         metrics: RelayMetrics | None = None,
         metrics_interval: float = 10.0,
+        registry_interval: float = REGISTRY_PERIOD,
     ) -> None:
         if not isinstance(outbox, Outbox):
             raise ConfigurationError(f"Relay needs an outbox.Outbox, got {outbox!r}")
@@ -156,6 +161,8 @@ class Relay:
         self.listener: Listener | None = None
         self.metrics = metrics
         self.metrics_interval: float = _positive("metrics_interval", metrics_interval)
+        # Readers (outbox.ops.relays) call a relay dead after three periods without a write.
+        self.registry_interval: float = _positive("registry_interval", registry_interval)
         if metrics is not None:
             for route in outbox.routes:
                 states = getattr(route.handler, "outbox_breaker_states", None)
@@ -221,6 +228,13 @@ class Relay:
             rt, lease=self.lease, held_ids=lambda: [*self._claimer.held_ids(), *self._writer.held_ids()]
         )
         self._shutdown = Shutdown(rt, self._claimer, self._writer, grace_period=self.grace_period)
+        self._registry = Registry(
+            rt,
+            engine=self.engine,
+            queues=self.queues,
+            period=self.registry_interval,
+            in_flight=lambda: len(self._claimer.inflight),
+        )
         self._background: list[asyncio.Task[Any]] = []
         with self._stop_lock:
             self._loop = rt.loop
@@ -302,6 +316,7 @@ class Relay:
                 self._start("outbox-writer", self._writer.run),
                 self._start("outbox-heartbeat", self._leases.heartbeat),
                 self._start("outbox-recoverer", self._leases.recoverer),
+                self._start("outbox-registry", self._registry.run),
             ]
             if self.listen:
                 self.listener = Listener(
@@ -326,6 +341,7 @@ class Relay:
             started = True
             await self._serve_loop(rt)
             await self._shutdown.graceful(self._background)
+            await self._registry.stopped(self._background)
         finally:
             signals.messages_committed.disconnect(self._on_commit, sender=self.outbox)
             for task in self._background:

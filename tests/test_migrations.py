@@ -24,6 +24,7 @@ OUTBOX_TABLES = {
     "outbox_retention_run",
     "outbox_pause",
     "outbox_pause_log",
+    "outbox_relay_registry",
     "outbox_report_run",
     "outbox_report_chunk",
     "outbox_email_sent",

@@ -10,6 +10,7 @@ what it must not do.
 from __future__ import annotations
 
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from aging import age_history
+from relayproc import wait_until
 from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, func, insert, select, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError
@@ -29,6 +31,7 @@ import outbox
 from outbox import Backoff, Message, Outbox, PermanentError, emit
 from outbox.integrations.email import EmailHandler, outbox_email_sent
 from outbox.integrations.report import ReportJob, outbox_report_chunk
+from outbox.ops import relays
 from outbox.relay import Relay
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
@@ -314,6 +317,35 @@ def test_the_operator_pauses_and_resumes_and_the_relay_honours_it(roles, pg_engi
     ):
         refused(relay_engine, statement)
     refused(app, "SELECT kind FROM outbox_pause")
+
+
+def test_a_relay_keeps_its_registry_row_and_the_operator_reads_it(roles, pg_engine):
+    """Serving under the relay role: the upsert at start, the refreshes, the stop; nothing else."""
+    relay_engine, operator = roles.engine("outbox_relay"), roles.engine("outbox_operator")
+    ob = Outbox()
+    ob.route("order.paid", lambda msg: None, name="ledger")
+    relay = Relay(ob, relay_engine, relay_id="registered", registry_interval=0.1, listen=False)
+    thread = threading.Thread(target=relay.run, daemon=True)
+    thread.start()
+    try:
+        first = wait_until(lambda: relays(operator, period=0.1), "the relay's row, read by the operator")
+        wait_until(lambda: relays(operator, period=0.1)[0].seen_at > first[0].seen_at, "a refresh")
+    finally:
+        relay.stop()
+        thread.join(20)
+    assert not thread.is_alive()
+    (row,) = relays(operator, period=0.1)
+    assert (row.relay_id, row.alive) == ("registered", False) and row.stopped_at is not None
+
+    refused(roles.engine("outbox_app"), "SELECT relay_id FROM outbox_relay_registry")
+    refused(relay_engine, "DELETE FROM outbox_relay_registry")
+    for statement in (
+        "UPDATE outbox_relay_registry SET stopped_at = now()",
+        "DELETE FROM outbox_relay_registry",
+        "INSERT INTO outbox_relay_registry (relay_id, host, pid, started_at, seen_at, queues, handlers)"
+        " VALUES ('fake', 'h', 1, now(), now(), '[]', '{}')",
+    ):
+        refused(operator, statement)
 
 
 def _ids(engine: Engine) -> dict[tuple[str, str | None], int]:
