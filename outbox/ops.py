@@ -1,4 +1,4 @@
-"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention.
+"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention, dashboard reads.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -10,6 +10,19 @@ from __future__ import annotations
 
 from ._ops_actions import discard, requeue, requeued_key, retry_now
 from ._ops_base import NotFound, OpsError, parse_duration
+from ._ops_dashboard import (
+    ACTIVITY_RETRIED,
+    MAX_ACTIVITY_MINUTES,
+    CappedCount,
+    Lineage,
+    LineageCopy,
+    MinuteActivity,
+    QueueHandlerCount,
+    activity,
+    breakdown,
+    count_messages,
+    lineage,
+)
 from ._ops_filters import MessageFilter, count_candidates, requeue_candidates
 from ._ops_read import MessageHistory, Stats, list_messages, show, stats
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
@@ -18,25 +31,36 @@ from ._tail import HistoryEntry, HistoryFilter, follow_history
 from ._where import PayloadEquals, WhereError, parse_where
 
 __all__ = [
+    "ACTIVITY_RETRIED",
+    "MAX_ACTIVITY_MINUTES",
     "MAX_PURGE_BATCH",
     "MIN_HISTORY_AGE",
+    "CappedCount",
     "HistoryEntry",
     "HistoryFilter",
+    "Lineage",
+    "LineageCopy",
     "MessageFilter",
     "MessageHistory",
-    "NotPaused",
+    "MinuteActivity",
     "NotFound",
+    "NotPaused",
     "OpsError",
     "Pause",
     "PauseResult",
     "PauseSpan",
     "PayloadEquals",
     "PurgeResult",
+    "QueueHandlerCount",
     "Stats",
     "WhereError",
+    "activity",
+    "breakdown",
     "count_candidates",
+    "count_messages",
     "discard",
     "follow_history",
+    "lineage",
     "list_messages",
     "parse_duration",
     "parse_where",
