@@ -25,6 +25,16 @@ from ._ops_dashboard import (
 )
 from ._ops_filters import MessageFilter, count_candidates, requeue_candidates
 from ._ops_read import MessageHistory, Stats, list_messages, show, stats
+from ._ops_reports import (
+    MAX_REPORT_RUNS,
+    DeadChunk,
+    ReportChunk,
+    ReportRunDetail,
+    ReportRunView,
+    report_handler,
+    report_run,
+    report_runs,
+)
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
 from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
 from ._tail import HistoryEntry, HistoryFilter, follow_history
@@ -34,8 +44,10 @@ __all__ = [
     "ACTIVITY_RETRIED",
     "MAX_ACTIVITY_MINUTES",
     "MAX_PURGE_BATCH",
+    "MAX_REPORT_RUNS",
     "MIN_HISTORY_AGE",
     "CappedCount",
+    "DeadChunk",
     "HistoryEntry",
     "HistoryFilter",
     "Lineage",
@@ -52,6 +64,9 @@ __all__ = [
     "PayloadEquals",
     "PurgeResult",
     "QueueHandlerCount",
+    "ReportChunk",
+    "ReportRunDetail",
+    "ReportRunView",
     "Stats",
     "WhereError",
     "activity",
@@ -67,6 +82,9 @@ __all__ = [
     "pause",
     "paused",
     "purge",
+    "report_handler",
+    "report_run",
+    "report_runs",
     "requeue",
     "requeue_candidates",
     "requeued_key",

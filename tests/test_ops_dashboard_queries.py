@@ -1,8 +1,8 @@
-"""The reads a dashboard makes through ``outbox.ops``: capped counts, the breakdown, per-minute activity
-and requeue lineage, on real SQLite and PostgreSQL databases.
+"""The reads a dashboard makes through ``outbox.ops``: capped counts, the breakdown, per-minute activity,
+requeue lineage and report runs, on real SQLite and PostgreSQL databases.
 
 Messages are emitted and delivered or failed by a real :class:`~outbox.relay.Relay`, copies are made by
-``ops.requeue``: the queries read what the library writes.
+``ops.requeue``, report runs by a real ``ReportJob``: the queries read what the library writes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ from test_ops_cli import FAST, ok_json, run
 
 import outbox
 from outbox import Outbox, OutboxMixin, PermanentError, emit, ops
+from outbox._ops_reports import report_chunk_table, report_run_table
+from outbox.integrations.report import ReportJob, outbox_report_chunk, outbox_report_run
 from outbox.relay import Relay
 
 m, a = outbox.outbox_message, outbox.outbox_attempt
@@ -249,3 +252,138 @@ def test_lineage_follows_a_requeue_chain_of_three_both_ways(shop):
     assert ops.lineage(engine, alone) == ops.Lineage(alone, [], [])
     with pytest.raises(ops.NotFound, match="no message with id 99999"):
         ops.lineage(engine, 99999)
+
+
+# -- report runs -----------------------------------------------------------------------------------------
+
+
+ROWS = [[n, f"r{n % 3}"] for n in range(10)]
+
+
+def report_job(ob: Outbox, engine: Engine, folder: Path, name: str, broken: set[int]) -> ReportJob:
+    """Ten rows in chunks of four (three chunks); chunks in ``broken`` fail for good."""
+
+    def rows(session: Session, params: dict[str, Any], offset: int, limit: int) -> list[list[Any]]:
+        if offset // limit in broken:
+            raise PermanentError(f"warehouse lost chunk {offset // limit}")
+        return ROWS[offset : offset + limit]
+
+    return ReportJob(
+        ob,
+        name,
+        engine=engine,
+        header=["n", "region"],
+        count=lambda session, params: len(ROWS),
+        rows=rows,
+        output_dir=folder,
+        chunk_size=4,
+    )
+
+
+def test_report_runs_list_newest_first_with_their_dead_chunks(engine, tmp_path):
+    ob = Outbox(default_backoff=FAST)
+    maker: sessionmaker[Session] = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        sales = report_job(ob, engine, tmp_path, "sales", broken={1})
+        stock = report_job(ob, engine, tmp_path, "stock", broken=set())
+        with maker.begin() as s:
+            failing = sales.start(s, {"month": "2026-11"})
+        Relay(ob, engine).run_until_idle()
+        with maker.begin() as s:
+            done = stock.start(s)
+        Relay(ob, engine).run_until_idle()
+        with maker.begin() as s:
+            waiting = sales.start(s)  # not relayed yet
+
+        runs = ops.report_runs(engine)
+        assert [r.id for r in runs] == [waiting, done, failing]
+        new, complete, failed = runs
+        assert (new.report, new.status, new.total_chunks, new.done_chunks, new.failed_chunks) == (
+            "sales",
+            "running",
+            3,
+            0,
+            0,
+        )
+        assert new.finished_at is None and new.created_at.tzinfo is not None
+        assert (complete.status, complete.done_chunks, complete.row_count, complete.failed_chunks) == (
+            "complete",
+            3,
+            10,
+            0,
+        )
+        assert complete.location is not None and complete.location.endswith(f"stock-{done}.csv")
+        assert failed.status == "failed" and failed.failed_chunks == 1
+        assert failed.error is not None and "chunk 1 is dead" in failed.error
+
+        # Pages: the last id of a page is where the next one starts.
+        assert [r.id for r in ops.report_runs(engine, limit=2)] == [waiting, done]
+        assert [r.id for r in ops.report_runs(engine, limit=2, before=done)] == [failing]
+        assert ops.report_runs(engine, before=failing) == []
+        with pytest.raises(ops.NotFound, match="no report run"):
+            ops.report_runs(engine, before="nope")
+        for bad in (0, ops.MAX_REPORT_RUNS + 1):
+            with pytest.raises(ops.OpsError, match="limit must be"):
+                ops.report_runs(engine, limit=bad)
+
+        detail = ops.report_run(engine, failing)
+        assert detail.run == failed
+        finished = {chunk.chunk: chunk.row_count for chunk in detail.chunks}
+        assert 1 not in finished and finished.get(0, 4) == 4 and finished.get(2, 2) == 2
+        assert all(chunk.finished_at.tzinfo is not None for chunk in detail.chunks)
+        (dead,) = detail.dead_chunks
+        assert (dead.status, dead.chunk, dead.requeued) == ("dead", 1, False)
+        assert "warehouse lost chunk 1" in (dead.last_error or "")
+
+        # An operator requeues it; the copy finds the run failed and skips. Both messages stay
+        # listed under the run: the original is dead as stored, now marked requeued.
+        ops.requeue(engine, ops.MessageFilter(ids=(dead.id,)), reason="warehouse back", actor="t")
+        Relay(ob, engine).run_until_idle()
+        again = ops.report_run(engine, failing)
+        assert [(d.id, d.requeued) for d in again.dead_chunks] == [(dead.id, True)]
+        assert again.run.failed_chunks == 1
+
+        assert ops.report_run(engine, done).dead_chunks == []
+        assert [c.chunk for c in ops.report_run(engine, done).chunks] == [0, 1, 2]
+        with pytest.raises(ops.NotFound, match="no report run 'nope'"):
+            ops.report_run(engine, "nope")
+    finally:
+        ob.uninstall(maker)
+
+
+def test_a_dead_chunk_of_another_run_or_another_report_is_not_counted(engine, tmp_path):
+    ob = Outbox(default_backoff=FAST)
+    maker: sessionmaker[Session] = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        sales = report_job(ob, engine, tmp_path, "sales", broken={0, 2})
+
+        @ob.handler("audit.note", name="audit")
+        def audit(msg: outbox.Message) -> None:
+            raise PermanentError("no auditor")
+
+        with maker.begin() as s:
+            one, two = sales.start(s), sales.start(s)
+        Relay(ob, engine).run_until_idle()
+        counts = {r.id: r.failed_chunks for r in ops.report_runs(engine)}
+        assert counts == {one: 2, two: 2}
+        # A dead message of another handler with the same run id in its payload is not a chunk.
+        with maker.begin() as s:
+            emit(s, "audit.note", {"run_id": one, "chunk": 1})
+        Relay(ob, engine).run_until_idle()
+        assert ops.count_messages(engine, ops.MessageFilter(status="dead", handler="audit")).count == 1
+        assert {r.id: r.failed_chunks for r in ops.report_runs(engine)} == counts
+        assert [d.chunk for d in ops.report_run(engine, one).dead_chunks] == [0, 2]
+    finally:
+        ob.uninstall(maker)
+
+
+def test_the_core_copies_of_the_report_tables_match_the_integrations_tables():
+    """``outbox`` declares the report tables again (it must not import its integrations); they must agree."""
+    for core, real in ((report_run_table, outbox_report_run), (report_chunk_table, outbox_report_chunk)):
+        assert core.name == real.name
+        for column in core.c:
+            assert column.name in real.c, column.name
+            assert type(column.type) is type(real.c[column.name].type), column.name
+    assert ops.report_handler("sales") == "report.sales"
