@@ -10,6 +10,7 @@ index.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
@@ -21,6 +22,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from ._ops_base import NotFound, OpsError, _now, a, m
 from ._ops_filters import MessageFilter
+from ._tables import MESSAGE_STATUSES
 
 __all__ = [
     "ACTIVITY_RETRIED",
@@ -82,15 +84,26 @@ class QueueHandlerCount:
     count: int
 
 
-def breakdown(engine: Engine) -> list[QueueHandlerCount]:
+def breakdown(engine: Engine, *, statuses: Sequence[str] | None = None) -> list[QueueHandlerCount]:
     """Messages by queue, handler and status, sorted by those three: the overview's table.
 
     Every row is counted as stored (a requeued original stays ``dead``; see
-    :class:`Stats` for the dead figure net of requeues).
+    :class:`Stats` for the dead figure net of requeues). Counting every row is
+    a full scan, about 150-200 ms per million rows on PostgreSQL, almost all of
+    it delivered messages; ``statuses`` (e.g. all but ``delivered``) limits the
+    count to those, through ``ix_outbox_message_status_handler``, for a page that
+    must load faster than that.
     """
     stmt = select(m.c.queue, m.c.handler, m.c.status, func.count()).group_by(
         m.c.queue, m.c.handler, m.c.status
     )
+    if statuses is not None:
+        unknown = sorted(set(statuses) - set(MESSAGE_STATUSES))
+        if isinstance(statuses, str) or unknown:
+            raise OpsError(f"statuses must be some of {', '.join(MESSAGE_STATUSES)}, got {statuses!r}")
+        if not statuses:
+            return []
+        stmt = stmt.where(m.c.status.in_(sorted(set(statuses))))
     with engine.connect() as conn:
         rows = conn.execute(stmt).all()
     return [QueueHandlerCount(q, h, s, int(n)) for q, h, s, n in sorted(rows, key=lambda r: tuple(r[:3]))]

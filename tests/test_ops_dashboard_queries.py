@@ -156,6 +156,16 @@ def test_the_breakdown_counts_by_queue_handler_and_status(shop):
         ops.QueueHandlerCount("mail", "welcome_email", "delivered", 3),
         ops.QueueHandlerCount("mail", "welcome_email", "pending", 1),
     ]
+    unfinished = ops.breakdown(shop.engine, statuses=("pending", "running", "dead", "discarded"))
+    assert [(c.queue, c.status, c.count) for c in unfinished] == [
+        ("billing", "dead", 1),
+        ("billing-eu", "dead", 1),
+        ("mail", "pending", 1),
+    ]
+    assert ops.breakdown(shop.engine, statuses=()) == []
+    for bad in (["done"], "dead"):
+        with pytest.raises(ops.OpsError, match="statuses must be"):
+            ops.breakdown(shop.engine, statuses=bad)
 
 
 def test_the_breakdown_of_an_empty_outbox_is_empty(engine):
