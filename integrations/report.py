@@ -52,6 +52,7 @@ from sqlalchemy.engine import Engine, Row
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Message, Outbox, PermanentError, emit, signals
+from outbox._ops_reports import report_handler
 from outbox._routes import check_name
 
 from ._report_tables import RUN_STATUSES, outbox_report_chunk, outbox_report_run, report_metadata
@@ -145,7 +146,7 @@ class ReportJob:
         self.route = outbox.route(
             self.event_type,
             self,
-            name=f"report.{name}",
+            name=report_handler(name),  # what ops.report_runs looks for dead chunks under
             queue=queue,
             priority=priority,
             max_attempts=max_attempts,

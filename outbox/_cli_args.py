@@ -153,6 +153,8 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", type=_text)
     p.add_argument("--key", type=_text, help="idempotency key")
     p.add_argument("--group-key", type=_text)
+    p.add_argument("--aggregate-type", type=_text, help="e.g. Order (the emitting model's type)")
+    p.add_argument("--aggregate-id", type=_text, help="the emitting row's primary key, as text")
     p.add_argument("--since", type=_timestamp, help="created at or after (ISO time, UTC if no zone)")
     p.add_argument("--before", type=_timestamp, help="created before (ISO time, UTC if no zone)")
     p.add_argument(
@@ -173,6 +175,8 @@ def message_filter(args: argparse.Namespace, ids: Sequence[int] = ()) -> ops.Mes
         queue=args.queue,
         key=args.key,
         group_key=args.group_key,
+        aggregate_type=args.aggregate_type,
+        aggregate_id=args.aggregate_id,
         created_since=args.since,
         created_before=args.before,
         ids=tuple(ids),

@@ -37,6 +37,8 @@ class MessageFilter:
     queue: str | None = None
     key: str | None = None
     group_key: str | None = None
+    aggregate_type: str | None = None
+    aggregate_id: str | None = None
     created_since: datetime | None = None
     created_before: datetime | None = None
     ids: Sequence[int] = field(default_factory=tuple)
@@ -54,6 +56,8 @@ class MessageFilter:
             (m.c.queue, self.queue),
             (m.c.idempotency_key, self.key),
             (m.c.group_key, self.group_key),
+            (m.c.aggregate_type, self.aggregate_type),
+            (m.c.aggregate_id, self.aggregate_id),
         ):
             if value is not None:
                 stmt = stmt.where(column == value)
@@ -81,6 +85,8 @@ class MessageFilter:
                     self.queue,
                     self.key,
                     self.group_key,
+                    self.aggregate_type,
+                    self.aggregate_id,
                     self.created_since,
                     self.created_before,
                 )

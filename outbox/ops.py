@@ -1,4 +1,5 @@
-"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention, relays.
+"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention, relays,
+dashboard reads.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -10,25 +11,56 @@ from __future__ import annotations
 
 from ._ops_actions import discard, requeue, requeued_key, retry_now
 from ._ops_base import NotFound, OpsError, parse_duration
+from ._ops_dashboard import (
+    ACTIVITY_RETRIED,
+    MAX_ACTIVITY_MINUTES,
+    CappedCount,
+    Lineage,
+    LineageCopy,
+    MinuteActivity,
+    QueueHandlerCount,
+    activity,
+    breakdown,
+    count_messages,
+    lineage,
+)
 from ._ops_filters import MessageFilter, count_candidates, requeue_candidates
 from ._ops_read import MessageHistory, Stats, list_messages, show, stats
 from ._ops_relays import REGISTRY_PERIOD, HandlerSeen, RelaySeen, relays
+from ._ops_reports import (
+    MAX_REPORT_RUNS,
+    DeadChunk,
+    ReportChunk,
+    ReportRunDetail,
+    ReportRunView,
+    report_handler,
+    report_run,
+    report_runs,
+)
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
 from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
 from ._tail import HistoryEntry, HistoryFilter, follow_history
 from ._where import PayloadEquals, WhereError, parse_where
 
 __all__ = [
+    "ACTIVITY_RETRIED",
+    "MAX_ACTIVITY_MINUTES",
     "MAX_PURGE_BATCH",
+    "MAX_REPORT_RUNS",
     "MIN_HISTORY_AGE",
     "REGISTRY_PERIOD",
     "HandlerSeen",
+    "CappedCount",
+    "DeadChunk",
     "HistoryEntry",
     "HistoryFilter",
+    "Lineage",
+    "LineageCopy",
     "MessageFilter",
     "MessageHistory",
-    "NotPaused",
+    "MinuteActivity",
     "NotFound",
+    "NotPaused",
     "OpsError",
     "Pause",
     "PauseResult",
@@ -36,11 +68,19 @@ __all__ = [
     "PayloadEquals",
     "PurgeResult",
     "RelaySeen",
+    "QueueHandlerCount",
+    "ReportChunk",
+    "ReportRunDetail",
+    "ReportRunView",
     "Stats",
     "WhereError",
+    "activity",
+    "breakdown",
     "count_candidates",
+    "count_messages",
     "discard",
     "follow_history",
+    "lineage",
     "list_messages",
     "parse_duration",
     "parse_where",
@@ -48,6 +88,9 @@ __all__ = [
     "paused",
     "purge",
     "relays",
+    "report_handler",
+    "report_run",
+    "report_runs",
     "requeue",
     "requeue_candidates",
     "requeued_key",
