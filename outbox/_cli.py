@@ -37,6 +37,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import ops
 from ._cli_args import PROG, Failed, build_parser, database_url_from
 from ._cli_commands import COMMANDS
+from ._cli_dashboard import check_dashboard_args
 from ._exceptions import ConfigurationError
 from ._migrations import missing_outbox_table, upgrade
 from ._urls import sync_engine
@@ -53,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     url = database_url_from(parser, args.database_url)
+    if args.command == "dashboard":
+        check_dashboard_args(parser, args)
     shown = make_url(url).render_as_string(hide_password=True)
     if args.command == "migrate":
         try:

@@ -13,6 +13,7 @@ from sqlalchemy.exc import ArgumentError
 
 from . import ops
 from ._argparse import OneLineParser, shown
+from ._cli_dashboard import add_dashboard
 from ._exceptions import ConfigurationError
 from ._migrations import BRANCH
 from ._payload import text_problem
@@ -290,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="who, recorded in outbox_retention_run (default: the login name)",
     )
     purge.add_argument("--json", action="store_true")
+    add_dashboard(commands, _add_database, _text)
     return parser
 
 

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from . import ops
 from ._cli_args import PROG, Failed, login_name, message_filter
+from ._cli_dashboard import run_dashboard
 
 
 def _print_json(data: Any) -> None:
@@ -326,6 +327,7 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "pause": _cmd_pause,
     "resume": _cmd_pause,
     "purge": _cmd_purge,
+    "dashboard": run_dashboard,
 }
 
 

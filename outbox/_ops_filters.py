@@ -188,8 +188,21 @@ def _candidates(where: MessageFilter, verb: str, include_delayed: bool = False) 
 
 def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
     """The ids a filter-based :func:`requeue` would copy now."""
+    return candidate_ids(engine, where, "requeue")
+
+
+def candidate_ids(engine: Engine, where: MessageFilter, verb: str, *, limit: int | None = None) -> list[int]:
+    """The ids a filter-based ``requeue``, ``discard`` or ``retry-now`` would act on now, oldest first.
+
+    A confirmation that states a count then acts on exactly these ids (named
+    ids are all or none), so a message that dies after the question is not
+    swept in unseen. ``limit`` caps the read.
+    """
+    stmt = _candidates(where, verb).order_by(m.c.id)
+    if limit is not None:
+        stmt = stmt.limit(limit)
     with engine.connect() as conn:
-        return list(conn.execute(_candidates(where, "requeue").order_by(m.c.id)).scalars())
+        return list(conn.execute(stmt).scalars())
 
 
 def count_candidates(

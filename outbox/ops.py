@@ -24,7 +24,8 @@ from ._ops_dashboard import (
     count_messages,
     lineage,
 )
-from ._ops_filters import MessageFilter, count_candidates, requeue_candidates
+from ._ops_filters import MessageFilter, candidate_ids, count_candidates, requeue_candidates
+from ._ops_live import change_marker
 from ._ops_read import MessageHistory, Stats, list_messages, show, stats
 from ._ops_relays import REGISTRY_PERIOD, HandlerSeen, RelaySeen, relays
 from ._ops_reports import (
@@ -76,6 +77,8 @@ __all__ = [
     "WhereError",
     "activity",
     "breakdown",
+    "candidate_ids",
+    "change_marker",
     "count_candidates",
     "count_messages",
     "discard",

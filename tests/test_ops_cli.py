@@ -121,6 +121,7 @@ class Seeded:
     ob: Outbox
     ids: dict[str, int]
     billing_fixed: list[bool] = field(default_factory=lambda: [False])
+    maker: Any = None  # the outbox-installed sessionmaker, to emit more
 
     def id(self, label: str) -> int:
         return self.ids[label]
@@ -149,7 +150,7 @@ def seeded(database_url: str, engine: Engine) -> Iterator[Seeded]:
     ob = Outbox(default_backoff=FAST)
     maker: sessionmaker[Session] = sessionmaker(engine)
     ob.install(maker)
-    seeded = Seeded(database_url, engine, ob, {})
+    seeded = Seeded(database_url, engine, ob, {}, maker=maker)
 
     @ob.handler("user.signed_up", name="welcome_email", queue="mail")
     def welcome(msg: outbox.Message) -> None:

@@ -1,0 +1,58 @@
+"""How values read in the pages: times, ages, counts, JSON. Jinja filters, escaped by the templates."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["FILTERS"]
+
+
+def _time(value: datetime | None) -> str:
+    if value is None:
+        return "–"
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = max(0.0, float(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            whole = int(seconds // size)
+            rest = int((seconds % size) // (size // 60 if size > 60 else 1))
+            return f"{whole}{unit} {rest}{'h' if unit == 'd' else 'm' if unit == 'h' else 's'}"
+    return f"{seconds:.1f}s"
+
+
+def _since(value: datetime | None) -> str:
+    if value is None:
+        return "–"
+    return _age((datetime.now(UTC) - value).total_seconds())
+
+
+def _number(value: int | None) -> str:
+    return "–" if value is None else f"{value:,}"
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _short(value: str | None, length: int = 120) -> str:
+    if not value:
+        return ""
+    line = value.strip().splitlines()[0] if value.strip() else value
+    return line if len(line) <= length else line[: length - 1] + "…"
+
+
+FILTERS: dict[str, Any] = {
+    "time": _time,
+    "age": _age,
+    "since": _since,
+    "number": _number,
+    "pretty": _pretty,
+    "short": _short,
+}

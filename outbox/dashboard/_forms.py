@@ -1,0 +1,149 @@
+"""Query strings and forms into ``ops`` arguments, refusing bad input with a message a person can act on.
+
+List filters are named like the ``outbox list`` flags (``status``, ``queue``,
+``handler``, ``event_type``, ``where``...), so a URL reads like a command line
+and a bookmark is a saved query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlencode
+
+from starlette.datastructures import ImmutableMultiDict
+
+from .. import ops
+from .._tables import MESSAGE_STATUSES
+
+__all__ = ["FILTER_FIELDS", "BadInput", "ListQuery", "message_id", "parse_list_query", "reason_and_ids"]
+
+#: Query parameter, label: the list filters, in the order the form shows them.
+FILTER_FIELDS: tuple[tuple[str, str], ...] = (
+    ("status", "Status"),
+    ("queue", "Queue"),
+    ("handler", "Handler"),
+    ("event_type", "Event type"),
+    ("aggregate_type", "Aggregate type"),
+    ("aggregate_id", "Aggregate id"),
+    ("key", "Idempotency key"),
+    ("group_key", "Group key"),
+    ("since", "Created since"),
+    ("before", "Created before"),
+)
+_TEXT_FIELDS = ("queue", "handler", "event_type", "aggregate_type", "aggregate_id", "key", "group_key")
+MAX_ID = 2**63 - 1
+MAX_TEXT = 1000
+
+
+class BadInput(ValueError):
+    """A parameter the dashboard cannot use; its message names the parameter and says what is expected."""
+
+
+@dataclass(frozen=True)
+class ListQuery:
+    where: ops.MessageFilter
+    values: dict[str, str]  # the filters as given, to refill the form
+    wheres: list[str]
+    before_id: int | None
+    limit: int
+
+    def url(self, path: str, **changes: Any) -> str:
+        """This query with some parameters changed: pagination links, bookmarks."""
+        pairs: list[tuple[str, str]] = [(k, v) for k, v in self.values.items() if v]
+        pairs += [("where", w) for w in self.wheres]
+        extra = {k: v for k, v in changes.items() if v is not None}
+        pairs = [(k, v) for k, v in pairs if k not in extra] + [(k, str(v)) for k, v in extra.items()]
+        return f"{path}?{urlencode(pairs)}" if pairs else path
+
+    @property
+    def hidden_fields(self) -> list[tuple[str, str]]:
+        """The filter as form fields, so a bulk action posts exactly what the page showed."""
+        pairs = [(k, v) for k, v in self.values.items() if v]
+        return pairs + [("where", w) for w in self.wheres]
+
+
+def _text(name: str, value: str) -> str:
+    if len(value) > MAX_TEXT:
+        raise BadInput(f"{name} is longer than {MAX_TEXT} characters")
+    if "\x00" in value:
+        raise BadInput(f"{name} contains a NUL character")
+    return value
+
+
+def _time(name: str, value: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise BadInput(f"{name}: expected an ISO date or time (2026-12-01T10:00), got {value!r}") from None
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:
+        raise BadInput(f"{name}: {value!r} is out of range once converted to UTC") from None
+
+
+def whole(name: str, value: str, *, low: int = 1, high: int = MAX_ID) -> int:
+    text = value.strip()
+    if not text.isdigit():
+        raise BadInput(f"{name}: expected a whole number, got {value!r}")
+    number = int(text)
+    if not low <= number <= high:
+        raise BadInput(f"{name}: expected {low} to {high}, got {number}")
+    return number
+
+
+def message_id(value: str) -> int:
+    return whole("message id", value)
+
+
+def parse_list_query(
+    params: Mapping[str, str] | ImmutableMultiDict[str, str], *, page_size: int, status: str | None = None
+) -> ListQuery:
+    """``status`` forces one status (the dead-letter page) whatever the query says."""
+    get = params.get
+    multi = params.getlist("where") if isinstance(params, ImmutableMultiDict) else []
+    values = {name: (get(name) or "").strip() for name, _ in FILTER_FIELDS}
+    if status is not None:
+        values["status"] = status
+    if values["status"] and values["status"] not in MESSAGE_STATUSES:
+        raise BadInput(f"status: one of {', '.join(MESSAGE_STATUSES)}, got {values['status']!r}")
+    texts = {name: _text(name, values[name]) or None for name in _TEXT_FIELDS}
+    wheres = [w.strip() for w in multi if w.strip()]
+    try:
+        payload = tuple(ops.parse_where(w) for w in wheres)
+    except ops.WhereError as exc:
+        raise BadInput(f"where: {exc}") from None
+    limit_text = get("limit")
+    before_text = get("before_id")
+    where = ops.MessageFilter(
+        status=values["status"] or None,
+        created_since=_time("since", values["since"]) if values["since"] else None,
+        created_before=_time("before", values["before"]) if values["before"] else None,
+        payload=payload,
+        queue=texts["queue"],
+        handler=texts["handler"],
+        event_type=texts["event_type"],
+        aggregate_type=texts["aggregate_type"],
+        aggregate_id=texts["aggregate_id"],
+        key=texts["key"],
+        group_key=texts["group_key"],
+    )
+    return ListQuery(
+        where=where,
+        values=values,
+        wheres=wheres,
+        before_id=whole("before_id", before_text) if before_text else None,
+        limit=whole("limit", limit_text, high=500) if limit_text else page_size,
+    )
+
+
+def reason_and_ids(form: Mapping[str, Any], ids: Sequence[str]) -> tuple[str, list[int]]:
+    reason = str(form.get("reason") or "").strip()
+    if not reason:
+        raise BadInput("a reason is required: it is written to each message's history")
+    _text("reason", reason)
+    return reason, [message_id(i) for i in ids]

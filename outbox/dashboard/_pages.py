@@ -1,0 +1,231 @@
+"""The read-only pages: overview, messages, one message, dead letters, queues and handlers, reports."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from .. import ops
+from .._tables import MESSAGE_STATUSES
+from ._forms import FILTER_FIELDS, BadInput, ListQuery, message_id, parse_list_query
+from ._settings import render, settings_of
+
+__all__ = ["ROUTES", "allowed_to_read", "readable"]
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+async def allowed_to_read(request: Request) -> Response | None:
+    """None when ``auth`` lets this request read; else a 401 that makes a browser ask for credentials."""
+    if await settings_of(request).allowed(request, "read"):
+        return None
+    response = render(
+        request, "error.html", 401, title="Sign in", problem="This dashboard needs credentials."
+    )
+    response.headers["www-authenticate"] = 'Basic realm="outbox dashboard", charset="UTF-8"'
+    return response
+
+
+def readable(endpoint: Endpoint) -> Endpoint:
+    """Every page asks ``auth`` for ``read`` first; bad input and unknown ids get their own pages."""
+
+    @wraps(endpoint)
+    async def checked(request: Request) -> Response:
+        refusal = await allowed_to_read(request)
+        if refusal is not None:
+            return refusal
+        try:
+            return await endpoint(request)
+        except BadInput as exc:
+            return render(request, "error.html", 400, title="Bad request", problem=str(exc))
+        except ops.NotFound as exc:
+            return render(request, "error.html", 404, title="Not found", problem=str(exc))
+
+    return checked
+
+
+@dataclass(frozen=True)
+class Bar:
+    x: int
+    delivered: int
+    retried: int
+    died: int
+    label: str
+
+
+CHART_HEIGHT = 120
+
+
+def _bars(minutes: list[Any]) -> tuple[list[Bar], int]:
+    peak = max((m.delivered + m.retried + m.died for m in minutes), default=0)
+    scale = CHART_HEIGHT / peak if peak else 0.0
+    bars = [
+        Bar(
+            x=i * 10,
+            delivered=round(m.delivered * scale),
+            retried=round(m.retried * scale),
+            died=round(m.died * scale),
+            label=f"{m.minute:%H:%M} delivered {m.delivered}, retried {m.retried}, died {m.died}",
+        )
+        for i, m in enumerate(minutes)
+    ]
+    return bars, peak
+
+
+def _overview_data(engine: Any) -> dict[str, Any]:
+    stats = ops.stats(engine)
+    cells = ops.breakdown(engine)
+    queues: dict[str, dict[str, dict[str, int]]] = {}
+    for cell in cells:
+        queues.setdefault(cell.queue, {}).setdefault(cell.handler, {})[cell.status] = cell.count
+    activity = ops.activity(engine, minutes=60)
+    bars, peak = _bars(activity)
+    return {
+        "stats": stats,
+        "queues": {q: dict(sorted(h.items())) for q, h in sorted(queues.items())},
+        "statuses": MESSAGE_STATUSES,
+        "bars": bars,
+        "peak": peak,
+        "chart_height": CHART_HEIGHT,
+        "totals": {
+            "delivered": sum(m.delivered for m in activity),
+            "retried": sum(m.retried for m in activity),
+            "died": sum(m.died for m in activity),
+        },
+        "relays": ops.relays(engine),
+    }
+
+
+@readable
+async def overview(request: Request) -> Response:
+    data = await run_in_threadpool(_overview_data, settings_of(request).engine)
+    return render(request, "overview.html", page="overview", live=True, **data)
+
+
+def _listing(engine: Any, query: ListQuery, cap: int) -> dict[str, Any]:
+    rows = ops.list_messages(engine, query.where, limit=query.limit + 1, before_id=query.before_id)
+    more = len(rows) > query.limit
+    rows = rows[: query.limit]
+    return {"rows": rows, "more": more, "count": ops.count_messages(engine, query.where, cap=cap)}
+
+
+async def _list_page(request: Request, template: str, page: str, status: str | None) -> HTMLResponse:
+    settings = settings_of(request)
+    query = parse_list_query(request.query_params, page_size=settings.page_size, status=status)
+    data = await run_in_threadpool(_listing, settings.engine, query, settings.count_cap)
+    path = f"/{page}"
+    next_url = query.url(path, before_id=data["rows"][-1].id) if data["more"] else None
+    return render(
+        request,
+        template,
+        page=page,
+        live=page == "messages",
+        query=query,
+        base_path=path,
+        fields=FILTER_FIELDS,
+        statuses=MESSAGE_STATUSES,
+        next_url=next_url,
+        first_url=query.url(path, before_id=None) if query.before_id else None,
+        self_url=query.url(path),
+        cap=settings.count_cap,
+        bulk_cap=settings.bulk_cap,
+        **data,
+    )
+
+
+@readable
+async def messages(request: Request) -> Response:
+    return await _list_page(request, "messages.html", "messages", None)
+
+
+@readable
+async def dead_letters(request: Request) -> Response:
+    return await _list_page(request, "dead.html", "dead", "dead")
+
+
+def _detail(engine: Any, mid: int, secrets: tuple[str, ...]) -> dict[str, Any]:
+    history = ops.show(engine, mid, secrets=secrets)
+    return {"history": history, "lineage": ops.lineage(engine, mid)}
+
+
+@readable
+async def message(request: Request) -> Response:
+    settings = settings_of(request)
+    mid = message_id(request.path_params["id"])
+    data = await run_in_threadpool(_detail, settings.engine, mid, settings.secrets)
+    msg = data["history"].message
+    headers = msg.get("headers") or {}
+    trace = headers.get("traceparent") if isinstance(headers, dict) else None
+    return render(request, "message.html", page="messages", msg=msg, trace=trace, **data)
+
+
+def _queues_data(engine: Any) -> dict[str, Any]:
+    cells = ops.breakdown(engine)
+    queues: dict[str, dict[str, int]] = {}
+    handlers: dict[str, dict[str, int]] = {}
+    for cell in cells:
+        queues.setdefault(cell.queue, {})[cell.status] = (
+            queues.get(cell.queue, {}).get(cell.status, 0) + cell.count
+        )
+        handlers.setdefault(cell.handler, {})[cell.status] = (
+            handlers.get(cell.handler, {}).get(cell.status, 0) + cell.count
+        )
+    paused = {(p.kind, p.name): p for p in ops.paused(engine)}
+    for kind, name in paused:  # a paused name no message has used yet still shows, to be resumed
+        (queues if kind == "queue" else handlers).setdefault(name, {})
+    relays = ops.relays(engine)
+    limits: dict[str, dict[str, Any]] = {}
+    for relay in relays:
+        if not relay.alive:
+            continue
+        for handler, state in relay.handlers.items():
+            seen = limits.setdefault(handler, {"rate_limit": None, "breakers": {}})
+            if state.rate_limit is not None:
+                seen["rate_limit"] = state.rate_limit
+            for destination, is_open in state.breakers.items():
+                seen["breakers"][destination] = seen["breakers"].get(destination, False) or bool(is_open)
+    return {
+        "queues": dict(sorted(queues.items())),
+        "handlers": dict(sorted(handlers.items())),
+        "paused": paused,
+        "limits": limits,
+    }
+
+
+@readable
+async def queues(request: Request) -> Response:
+    data = await run_in_threadpool(_queues_data, settings_of(request).engine)
+    return render(request, "queues.html", page="queues", live=True, statuses=MESSAGE_STATUSES, **data)
+
+
+@readable
+async def reports(request: Request) -> Response:
+    before = request.query_params.get("before") or None
+    runs = await run_in_threadpool(ops.report_runs, settings_of(request).engine, limit=50, before=before)
+    return render(request, "reports.html", page="reports", live=True, runs=runs)
+
+
+@readable
+async def report(request: Request) -> Response:
+    detail = await run_in_threadpool(
+        ops.report_run, settings_of(request).engine, request.path_params["run_id"]
+    )
+    return render(request, "report.html", page="reports", detail=detail)
+
+
+ROUTES = [
+    Route("/", overview, name="overview"),
+    Route("/messages", messages, name="messages"),
+    Route("/messages/{id}", message, name="message"),
+    Route("/dead", dead_letters, name="dead"),
+    Route("/queues", queues, name="queues"),
+    Route("/reports", reports, name="reports"),
+    Route("/reports/{run_id}", report, name="report"),
+]

@@ -1,0 +1,337 @@
+"""The dashboard over HTTP: every page and action through httpx against the ASGI app, on both databases.
+
+The seven seeded messages (test_ops_cli's ``seeded``) are made by a real relay:
+two delivered, two dead, one running, one pending, one discarded. What a page
+shows is checked against what ``outbox.ops`` and the tables say, and every
+action against the history row it must leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import test_ops_cli
+from sqlalchemy import select
+from test_ops_cli import Seeded, history_of, statuses
+
+import outbox
+from outbox import ops
+from outbox.dashboard import CONTENT_SECURITY_POLICY, create_app, token_auth
+from outbox.relay import Relay
+
+m = outbox.outbox_message
+seeded = test_ops_cli.seeded  # the seven messages, as the CLI tests make them
+ORIGIN = "http://testserver"
+SAME_SITE = {"origin": ORIGIN, "sec-fetch-site": "same-origin"}
+
+
+class Client:
+    """httpx against the ASGI app in this process: requests go through every middleware, no socket."""
+
+    def __init__(self, app: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        transport = httpx.ASGITransport(app=app)
+        self._http = httpx.AsyncClient(transport=transport, base_url=ORIGIN, follow_redirects=True)
+
+    def get(self, url: str, **kw: Any) -> httpx.Response:
+        return self._loop.run_until_complete(self._http.get(url, **kw))
+
+    def post(self, url: str, **kw: Any) -> httpx.Response:
+        return self._loop.run_until_complete(self._http.post(url, **kw))
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._loop.run_until_complete(self._http.aclose())
+        self._loop.close()
+
+
+def client(seeded: Seeded, **options: Any) -> Client:
+    return Client(create_app(seeded.engine, **options))
+
+
+@pytest.fixture
+def reader(seeded: Seeded) -> Iterator[Client]:
+    with client(seeded) as c:
+        yield c
+
+
+@pytest.fixture
+def operator(seeded: Seeded) -> Iterator[Client]:
+    with client(seeded, allow_actions=True) as c:
+        yield c
+
+
+def text_of(html: str) -> str:
+    """The page as a reader sees it: tags dropped, whitespace folded."""
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+
+def test_every_response_carries_the_security_headers(reader):
+    for path in (
+        "/",
+        "/messages",
+        "/dead",
+        "/queues",
+        "/reports",
+        "/messages/999999",
+        "/static/dashboard.css",
+    ):
+        response = reader.get(path)
+        assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY, path
+        assert (
+            "script-src 'self'" in CONTENT_SECURITY_POLICY and "unsafe-inline" not in CONTENT_SECURITY_POLICY
+        )
+        assert response.headers["x-frame-options"] == "DENY", path
+        assert response.headers["x-content-type-options"] == "nosniff", path
+        if not path.startswith("/static/"):
+            assert response.headers["cache-control"] == "no-store", path
+    assert reader.get("/messages/999999").status_code == 404
+
+
+def test_pages_have_no_inline_script_or_style_and_load_nothing_from_elsewhere(reader, seeded):
+    for path in ("/", "/messages", "/dead", "/queues", "/reports", f"/messages/{seeded.id('order:7')}"):
+        html = reader.get(path).text
+        assert not re.search(r"<script(?![^>]*\bsrc=)", html), path
+        assert " style=" not in html and "<style" not in html, path
+        assert not re.search(r"(src|href)=\"(https?:)?//", html), path
+        assert not re.search(r"\bon[a-z]+=", html), path
+
+
+def test_overview_counts_match_ops_stats(reader, seeded):
+    html = reader.get("/").text
+    stats = ops.stats(seeded.engine)
+    for status in ("pending", "running", "delivered", "discarded"):
+        shown = re.search(rf'data-count="{status}">([\d,]+)<', html)
+        assert shown is not None and int(shown.group(1).replace(",", "")) == stats.by_status.get(status, 0)
+    assert re.search(r'data-count="dead">2<', html)
+    assert re.search(r'data-count="dead_requeued">0<', html)
+    page = text_of(html)
+    assert "billing" in page and "invoice" in page and "welcome_email" in page
+    assert "delivered 2" in page  # the last hour's history: signup:1 and signup:2
+
+
+def test_list_filters_are_query_parameters_named_like_the_cli_flags(reader, seeded):
+    def ids(query: str) -> set[int]:
+        response = reader.get("/messages?" + query)
+        assert response.status_code == 200, response.text
+        return {int(i) for i in re.findall(r'href="/messages/(\d+)"', response.text)}
+
+    assert ids("status=dead") == {seeded.id("order:7"), seeded.id("order:8")}
+    assert ids("queue=reports&status=pending") == {seeded.id("report:2026-10")}
+    assert ids("handler=welcome_email") == {seeded.id("signup:1"), seeded.id("signup:2")}
+    assert ids("event_type=order.paid&where=payload.order_id%3D8") == {seeded.id("order:8")}
+    assert ids("where=payload.card.api_key%3D%22sk_live_42%22") == {seeded.id("order:7")}
+    assert ids("key=signup:2") == {seeded.id("signup:2")}
+    assert ids("group_key=customer:4") == {seeded.id("order:8")}
+    assert ids("since=2000-01-01&before=2000-01-02") == set()
+
+
+def test_keyset_pages_cover_every_row_once_and_counts_are_capped(seeded):
+    with client(seeded, page_size=2, count_cap=3) as c:
+        seen: list[int] = []
+        url = "/messages"
+        while url:
+            html = c.get(url).text
+            seen += [int(i) for i in re.findall(r'href="/messages/(\d+)">#', html)]
+            found = re.search(r'rel="next" href="([^"]+)"', html)
+            url = found.group(1).replace("&amp;", "&") if found else ""
+        assert seen == sorted(statuses(seeded.engine) and seen, reverse=True)
+        assert sorted(seen) == sorted(seeded.ids.values())
+        assert "More than 3 matching" in text_of(c.get("/messages").text)
+        assert "2 matching" in text_of(c.get("/messages?status=dead").text)
+
+
+def test_a_filtered_list_is_bookmarkable(reader, seeded):
+    html = reader.get("/messages?queue=billing&where=payload.order_id%3D7").text
+    bookmark = re.search(r"data-bookmark>([^<]+)<", html)
+    assert bookmark is not None
+    again = reader.get(bookmark.group(1).replace("&amp;", "&")).text
+    assert re.findall(r'href="/messages/(\d+)">#', again) == [str(seeded.id("order:7"))]
+
+
+@pytest.mark.parametrize(
+    ("query", "problem"),
+    [
+        ("status=lost", "status: one of pending, running, delivered, dead, discarded, got 'lost'"),
+        ("where=order_id%3D7", "where: expected payload.PATH=VALUE"),
+        ("before_id=abc", "before_id: expected a whole number, got 'abc'"),
+        ("limit=0", "limit: expected 1 to 500, got 0"),
+        ("since=yesterday", "since: expected an ISO date or time"),
+    ],
+)
+def test_bad_filters_get_a_specific_400(reader, query, problem):
+    response = reader.get("/messages?" + query)
+    assert response.status_code == 400
+    assert problem in text_of(response.text).replace("&#39;", "'")
+
+
+def test_detail_shows_the_timeline_redacted_payload_and_lineage(operator, seeded):
+    dead = seeded.id("order:7")
+    html = operator.get(f"/messages/{dead}").text
+    page = text_of(html)
+    assert "sk_live_42" not in html and "***" in html
+    assert "failed" in page and "dead" in page and "billing API unreachable" in page
+    assert "Not a copy, and never requeued" in page
+    response = operator.post(f"/messages/{dead}/requeue", data={"reason": "billing fixed"}, headers=SAME_SITE)
+    assert response.status_code == 200  # followed the 303 to the copy
+    copy = int(str(response.url).rsplit("/", 1)[1])
+    assert f"Requeued from #{dead}" in text_of(response.text).replace(" .", ".")
+    assert f"Requeued as #{copy}" in text_of(operator.get(f"/messages/{dead}").text)
+    last = history_of(seeded.engine, dead)[-1]
+    assert (last.outcome, last.actor, last.reason) == ("requeued", "dashboard", "billing fixed")
+
+
+def test_bulk_requeue_confirms_the_count_then_acts_on_exactly_those(operator, seeded):
+    form = {"scope": "filter", "reason": "billing is back", "event_type": "order.paid"}
+    ask = operator.post("/dead/requeue", data=form, headers=SAME_SITE)
+    assert ask.status_code == 200
+    assert "Requeue 2 dead messages?" in text_of(ask.text)
+    assert statuses(seeded.engine)["order:7"] == "dead" and len(seeded.ids) == 7  # nothing happened yet
+    confirm = dict(re.findall(r'name="(expected_ids|confirm|reason)" value="([^"]*)"', ask.text))
+    ids = re.findall(r'name="id" value="(\d+)"', ask.text)
+    done = operator.post(
+        "/dead/requeue",
+        data={**confirm, "id": ids},
+        headers=SAME_SITE,  # type: ignore[dict-item]
+    )
+    assert done.status_code == 200
+    assert "2 messages requeued" in text_of(done.text)
+    with seeded.engine.connect() as conn:
+        copies = conn.execute(select(m.c.requeued_from).where(m.c.requeued_from.is_not(None))).scalars().all()
+    assert sorted(copies) == sorted([seeded.id("order:7"), seeded.id("order:8")])
+    seeded.billing_fixed[0] = True
+    Relay(seeded.ob, seeded.engine, queues=["billing"]).run_until_idle()
+    with seeded.engine.connect() as conn:
+        copies_now = dict(
+            conn.execute(select(m.c.requeued_from, m.c.status).where(m.c.requeued_from.is_not(None))).all()
+        )
+    # order:8's copy is grouped behind its dead original (customer:4), as the CLI's requeue leaves it.
+    assert copies_now == {seeded.id("order:7"): "delivered", seeded.id("order:8"): "pending"}
+
+
+def test_a_stale_confirmation_asks_again(operator, seeded):
+    first = seeded.id("order:7")
+    stale = {"reason": "r", "confirm": "yes", "expected_ids": f"{first}", "scope": "filter"}
+    again = operator.post("/dead/requeue", data=stale, headers=SAME_SITE)
+    assert "The selection changed" in text_of(again.text)
+    assert "Requeue 2 dead messages?" in text_of(again.text)
+    assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+def test_bulk_actions_need_a_reason_a_selection_and_stay_under_the_cap(seeded):
+    with client(seeded, allow_actions=True, bulk_cap=1) as c:
+        no_reason = c.post("/dead/discard", data={"scope": "filter"}, headers=SAME_SITE)
+        assert no_reason.status_code == 400 and "a reason is required" in no_reason.text
+        nothing = c.post("/dead/discard", data={"reason": "x", "scope": "selected"}, headers=SAME_SITE)
+        assert nothing.status_code == 400 and "select messages" in nothing.text
+        over = c.post("/dead/discard", data={"reason": "x", "scope": "filter"}, headers=SAME_SITE)
+        assert over.status_code == 400 and "more than 1 messages match" in text_of(over.text)
+    assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+def test_pause_and_resume_record_actor_and_reason(operator, seeded):
+    paused = operator.post(
+        "/queues/pause",
+        data={"kind": "queue", "name": "billing", "reason": "vendor outage"},
+        headers=SAME_SITE,
+    )
+    assert paused.status_code == 200 and 'data-state="paused"' in paused.text
+    [pause] = ops.paused(seeded.engine)
+    assert (pause.kind, pause.name, pause.actor, pause.reason) == (
+        "queue",
+        "billing",
+        "dashboard",
+        "vendor outage",
+    )
+    resumed = operator.post(
+        "/queues/resume",
+        data={"kind": "queue", "name": "billing", "reason": "vendor back"},
+        headers=SAME_SITE,
+    )
+    assert resumed.status_code == 200 and ops.paused(seeded.engine) == []
+
+
+def test_read_only_by_default_and_actions_need_post(reader, seeded):
+    dead = seeded.id("order:7")
+    refused = reader.post(f"/messages/{dead}/requeue", data={"reason": "x"}, headers=SAME_SITE)
+    assert refused.status_code == 403 and "read-only" in refused.text
+    assert reader.get(f"/messages/{dead}/requeue").status_code == 405
+    assert '<form method="post"' not in reader.get(f"/messages/{dead}").text
+    assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"origin": "http://evil.example"},
+        {"sec-fetch-site": "cross-site", "origin": "http://evil.example"},
+        {"sec-fetch-site": "same-site"},
+        {},
+    ],
+)
+def test_cross_site_posts_are_refused(operator, seeded, headers):
+    response = operator.post(
+        f"/messages/{seeded.id('order:7')}/discard", data={"reason": "x"}, headers=headers
+    )
+    assert response.status_code == 403 and "refused" in response.text
+    assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+def test_auth_decides_per_request_and_per_action(seeded):
+    asked: list[str] = []
+
+    def auth(request, action):
+        asked.append(action)
+        return request.headers.get("x-user") == "ops" and action != "discard"
+
+    with client(seeded, auth=auth, allow_actions=True) as c:
+        denied = c.get("/")
+        assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Basic")
+        assert c.get("/", headers={"x-user": "ops"}).status_code == 200
+        mid = seeded.id("order:7")
+        no = c.post(f"/messages/{mid}/discard", data={"reason": "x"}, headers={**SAME_SITE, "x-user": "ops"})
+        assert no.status_code == 403
+        assert asked[-1] == "discard"
+        assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+def test_token_auth_accepts_basic_and_bearer_and_names_the_actor(seeded):
+    token = "s3cret-token-0123456789"
+    with client(seeded, auth=token_auth(token), allow_actions=True) as c:
+        assert c.get("/").status_code == 401
+        assert c.get("/", headers={"authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/", headers={"authorization": f"Bearer {token}"}).status_code == 200
+        basic = "Basic " + base64.b64encode(f"alice:{token}".encode()).decode()
+        mid = seeded.id("order:8")
+        done = c.post(
+            f"/messages/{mid}/discard",
+            data={"reason": "duplicate order"},
+            headers={**SAME_SITE, "authorization": basic},
+        )
+        assert done.status_code == 200 and token not in done.text
+    assert history_of(seeded.engine, mid)[-1].actor == "dashboard:alice"
+
+
+def test_host_header_must_be_allowed(seeded):
+    with client(seeded, allowed_hosts=["127.0.0.1", "localhost"]) as c:
+        assert c.get("/", headers={"host": "evil.example"}).status_code == 421
+        assert c.get("/", headers={"host": "localhost:8765"}).status_code == 200
+
+
+def test_hostile_text_renders_inert(operator, seeded):
+    hostile = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
+    with seeded.maker.begin() as s:
+        outbox.emit(s, "user.signed_up", {"user_id": 3, "name": hostile}, key="signup:" + hostile)
+    mid = max(ops.candidate_ids(seeded.engine, ops.MessageFilter(handler="welcome_email"), "discard"))
+    for path in (f"/messages/{mid}", "/messages?key=" + hostile.replace("&", "%26").replace("#", "%23")):
+        html = operator.get(path).text
+        assert "<script>alert" not in html and "<img src=x" not in html
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
