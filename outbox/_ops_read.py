@@ -60,15 +60,25 @@ class Stats:
         }
 
 
-def stats(engine: Engine) -> Stats:
+def stats(engine: Engine, *, counts: bool = True) -> Stats:
+    """``counts=False`` leaves ``by_status`` and ``by_handler_status`` empty.
+
+    Those two read every row (a million delivered messages take a fifth of a
+    second to count); the rest reads indexes only. A caller that counts
+    delivered messages its own way, such as the dashboard, which refreshes them
+    in the background, skips them.
+    """
     now = _now()
     hour_ago = now - timedelta(hours=1)
     with engine.connect() as conn:
         by_handler: dict[str, dict[str, int]] = {}
         by_status: dict[str, int] = {}
-        for handler, status, count in conn.execute(
-            select(m.c.handler, m.c.status, func.count()).group_by(m.c.handler, m.c.status)
-        ):
+        rows = (
+            conn.execute(select(m.c.handler, m.c.status, func.count()).group_by(m.c.handler, m.c.status))
+            if counts
+            else ()
+        )
+        for handler, status, count in rows:
             by_handler.setdefault(handler, {})[status] = count
             by_status[status] = by_status.get(status, 0) + count
         oldest = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -335,3 +336,22 @@ def test_hostile_text_renders_inert(operator, seeded):
         html = operator.get(path).text
         assert "<script>alert" not in html and "<img src=x" not in html
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_finished_totals_refresh_in_the_background_and_the_rest_is_read_per_request(seeded):
+    def delivered_and_pending(c: Client) -> tuple[int, int]:
+        html = c.get("/").text
+        found = [re.search(rf'data-count="{s}">([\d,]+)<', html) for s in ("delivered", "pending")]
+        assert found[0] is not None and found[1] is not None
+        return int(found[0].group(1)), int(found[1].group(1))
+
+    with client(seeded, finished_max_age=0.3) as c:
+        assert delivered_and_pending(c) == (2, 1)
+        with seeded.maker.begin() as s:
+            outbox.emit(s, "user.signed_up", {"user_id": 3}, key="signup:3")
+        assert delivered_and_pending(c) == (2, 2)  # pending at once
+        seeded.deliver("mail")
+        deadline = time.monotonic() + 10
+        while delivered_and_pending(c)[0] != 3:
+            assert time.monotonic() < deadline, "the delivered total was never refreshed"
+            time.sleep(0.1)

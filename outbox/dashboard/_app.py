@@ -16,6 +16,7 @@ from starlette.staticfiles import StaticFiles
 from .._urls import sync_engine
 from . import _actions, _live, _pages
 from ._format import FILTERS
+from ._overview import finished_counts
 from ._security import Auth, SecurityHeaders
 from ._settings import Settings, render
 
@@ -35,6 +36,7 @@ def create_app(
     count_cap: int = 10_000,
     bulk_cap: int = 1_000,
     poll_interval: float = 1.0,
+    finished_max_age: float = 30.0,
 ) -> Starlette:
     """The dashboard as an ASGI app, to mount under any path or serve alone.
 
@@ -47,13 +49,16 @@ def create_app(
     ``allowed_hosts`` limits the ``Host`` header (against DNS rebinding; set it
     when the app has no auth). ``trusted_origins`` are extra origins allowed to
     post (a proxy that rewrites ``Host``). ``count_cap`` bounds list counts,
-    ``bulk_cap`` how many messages one bulk action may touch.
+    ``bulk_cap`` how many messages one bulk action may touch. Delivered and
+    discarded totals (a full count) are refreshed in the background at most
+    every ``finished_max_age`` seconds; everything else is read per request.
     """
     for name, value in (("page_size", page_size), ("count_cap", count_cap), ("bulk_cap", bulk_cap)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    if poll_interval <= 0:
-        raise ValueError(f"poll_interval must be positive, got {poll_interval}")
+    for name, seconds in (("poll_interval", poll_interval), ("finished_max_age", finished_max_age)):
+        if seconds <= 0:
+            raise ValueError(f"{name} must be positive, got {seconds}")
     sync = sync_engine(engine)
     templates = Environment(
         loader=PackageLoader("outbox.dashboard", "templates"),
@@ -75,6 +80,7 @@ def create_app(
         poll_interval=poll_interval,
         templates=templates,
         feed=_live.ChangeFeed(sync, poll_interval),
+        finished=finished_counts(sync, finished_max_age),
     )
     routes = [
         *_pages.ROUTES,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import wraps
 from typing import Any
 
@@ -15,6 +14,7 @@ from starlette.routing import Route
 from .. import ops
 from .._tables import MESSAGE_STATUSES
 from ._forms import FILTER_FIELDS, BadInput, ListQuery, message_id, parse_list_query
+from ._overview import UNFINISHED, FinishedCounts, overview_data
 from ._settings import render, settings_of
 
 __all__ = ["ROUTES", "allowed_to_read", "readable"]
@@ -51,61 +51,10 @@ def readable(endpoint: Endpoint) -> Endpoint:
     return checked
 
 
-@dataclass(frozen=True)
-class Bar:
-    x: int
-    delivered: int
-    retried: int
-    died: int
-    label: str
-
-
-CHART_HEIGHT = 120
-
-
-def _bars(minutes: list[Any]) -> tuple[list[Bar], int]:
-    peak = max((m.delivered + m.retried + m.died for m in minutes), default=0)
-    scale = CHART_HEIGHT / peak if peak else 0.0
-    bars = [
-        Bar(
-            x=i * 10,
-            delivered=round(m.delivered * scale),
-            retried=round(m.retried * scale),
-            died=round(m.died * scale),
-            label=f"{m.minute:%H:%M} delivered {m.delivered}, retried {m.retried}, died {m.died}",
-        )
-        for i, m in enumerate(minutes)
-    ]
-    return bars, peak
-
-
-def _overview_data(engine: Any) -> dict[str, Any]:
-    stats = ops.stats(engine)
-    cells = ops.breakdown(engine)
-    queues: dict[str, dict[str, dict[str, int]]] = {}
-    for cell in cells:
-        queues.setdefault(cell.queue, {}).setdefault(cell.handler, {})[cell.status] = cell.count
-    activity = ops.activity(engine, minutes=60)
-    bars, peak = _bars(activity)
-    return {
-        "stats": stats,
-        "queues": {q: dict(sorted(h.items())) for q, h in sorted(queues.items())},
-        "statuses": MESSAGE_STATUSES,
-        "bars": bars,
-        "peak": peak,
-        "chart_height": CHART_HEIGHT,
-        "totals": {
-            "delivered": sum(m.delivered for m in activity),
-            "retried": sum(m.retried for m in activity),
-            "died": sum(m.died for m in activity),
-        },
-        "relays": ops.relays(engine),
-    }
-
-
 @readable
 async def overview(request: Request) -> Response:
-    data = await run_in_threadpool(_overview_data, settings_of(request).engine)
+    settings = settings_of(request)
+    data = await run_in_threadpool(overview_data, settings.engine, settings.finished)
     return render(request, "overview.html", page="overview", live=True, **data)
 
 
@@ -166,8 +115,8 @@ async def message(request: Request) -> Response:
     return render(request, "message.html", page="messages", msg=msg, trace=trace, **data)
 
 
-def _queues_data(engine: Any) -> dict[str, Any]:
-    cells = ops.breakdown(engine)
+def _queues_data(engine: Any, finished: FinishedCounts) -> dict[str, Any]:
+    cells = ops.breakdown(engine, statuses=UNFINISHED) + finished.get()[0]
     queues: dict[str, dict[str, int]] = {}
     handlers: dict[str, dict[str, int]] = {}
     for cell in cells:
@@ -201,7 +150,8 @@ def _queues_data(engine: Any) -> dict[str, Any]:
 
 @readable
 async def queues(request: Request) -> Response:
-    data = await run_in_threadpool(_queues_data, settings_of(request).engine)
+    settings = settings_of(request)
+    data = await run_in_threadpool(_queues_data, settings.engine, settings.finished)
     return render(request, "queues.html", page="queues", live=True, statuses=MESSAGE_STATUSES, **data)
 
 
