@@ -355,3 +355,18 @@ def test_finished_totals_refresh_in_the_background_and_the_rest_is_read_per_requ
         while delivered_and_pending(c)[0] != 3:
             assert time.monotonic() < deadline, "the delivered total was never refreshed"
             time.sleep(0.1)
+
+
+def test_mounted_under_a_path_every_link_and_form_stays_under_it(seeded):
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    host = Starlette(routes=[Mount("/ops/outbox", app=create_app(seeded.engine, allow_actions=True))])
+    with Client(host) as c:
+        html = c.get("/ops/outbox/dead").text
+        links = re.findall(r'(?:href|action|formaction|src|data-live-source)="(/[^"]*)"', html)
+        assert links and all(link.startswith("/ops/outbox/") for link in links), links
+        mid = seeded.id("order:7")
+        done = c.post(f"/ops/outbox/messages/{mid}/requeue", data={"reason": "mounted"}, headers=SAME_SITE)
+        assert done.status_code == 200 and str(done.url).startswith(f"{ORIGIN}/ops/outbox/messages/")
+        assert c.get("/ops/outbox/static/dashboard.js").status_code == 200

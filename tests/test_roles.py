@@ -361,3 +361,35 @@ def test_the_guides_block_is_the_one_this_test_runs():
     assert not re.search(r"SUPERUSER|BYPASSRLS|CREATEROLE|ALL PRIVILEGES|TRUNCATE|OWNER", sql)
     for role in ROLES:
         assert f"CREATE ROLE {role} LOGIN;" in sql
+
+
+def test_the_dashboard_runs_as_the_operator(roles, pg_engine, request):
+    """Every page reads and every action writes with the operator's grants and nothing more."""
+    from test_dashboard import SAME_SITE, Client
+
+    from outbox.dashboard import create_app
+
+    app = roles.engine("outbox_app")
+    ob = Outbox()
+
+    def refuse(msg: object) -> None:
+        raise PermanentError("ledger refused it")
+
+    ob.route("order.paid", refuse, name="ledger", queue="billing")
+    maker: sessionmaker[Session] = sessionmaker(app)
+    ob.install(maker)
+    request.addfinalizer(lambda: ob.uninstall(maker))
+    with maker.begin() as s:
+        emit(s, "order.paid", {"order_id": 1}, key="order:1")
+    assert Relay(ob, roles.engine("outbox_relay")).run_until_idle().dead == 1
+    dead = _ids(pg_engine)["ledger", "order:1"]
+
+    with Client(create_app(roles.engine("outbox_operator"), allow_actions=True)) as dashboard:
+        for path in ("/", "/messages?status=dead", f"/messages/{dead}", "/dead", "/queues", "/reports"):
+            assert dashboard.get(path).status_code == 200, path
+        paused = dashboard.post(
+            "/queues/pause", data={"kind": "queue", "name": "billing", "reason": "r"}, headers=SAME_SITE
+        )
+        assert paused.status_code == 200
+        copy = dashboard.post(f"/messages/{dead}/requeue", data={"reason": "retry it"}, headers=SAME_SITE)
+        assert copy.status_code == 200 and "Requeued from" in copy.text
