@@ -16,15 +16,18 @@ def _time(value: datetime | None) -> str:
 
 
 def _age(seconds: float | None) -> str:
+    """Two units, the way an operator reads an age: ``3d 4h``, ``2h 5m``, ``4m 10s``, ``0.4s``."""
     if seconds is None:
         return "–"
     seconds = max(0.0, float(seconds))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            whole = int(seconds // size)
-            rest = int((seconds % size) // (size // 60 if size > 60 else 1))
-            return f"{whole}{unit} {rest}{'h' if unit == 'd' else 'm' if unit == 'h' else 's'}"
+    whole = int(seconds)
+    for (big, size), (small, small_size) in zip(_UNITS, _UNITS[1:], strict=False):
+        if whole >= size:
+            return f"{whole // size}{big} {(whole % size) // small_size}{small}"
     return f"{seconds:.1f}s"
+
+
+_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
 
 
 def _since(value: datetime | None) -> str:
