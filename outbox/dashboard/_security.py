@@ -129,13 +129,17 @@ def cross_site_problem(request: Request, trusted_origins: Iterable[str] = ()) ->
     """Why this mutation may come from another site, or None when it comes from the dashboard's own pages.
 
     ``Sec-Fetch-Site`` is set by every current browser and cannot be forged by
-    a page; ``Origin`` covers older ones. A request with neither did not come
-    from a browser form of ours, and a mutation is too costly to guess.
+    a page, so ``same-origin`` settles it: the pages' own ``no-referrer``
+    policy makes a browser send ``Origin: null`` with their forms. ``Origin``
+    covers older browsers. A request with neither did not come from a browser
+    form of ours, and a mutation is too costly to guess.
     """
     site = request.headers.get("sec-fetch-site")
     origin = request.headers.get("origin")
     if site is not None and site not in ("same-origin", "none"):
         return f"cross-site request refused (Sec-Fetch-Site: {site})"
+    if site == "same-origin":
+        return None
     if origin is not None:
         if origin == own_origin(request) or origin in set(trusted_origins):
             return None
