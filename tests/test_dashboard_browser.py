@@ -18,8 +18,6 @@ two cores, most of it the browser's page loads.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
 import threading
@@ -28,12 +26,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 import pytest
 import test_ops_cli
-from playwright.sync_api import Browser, ConsoleMessage, Page, Response, expect, sync_playwright
+from playwright.sync_api import ConsoleMessage, Page, Response, expect, sync_playwright
 from sqlalchemy.orm import Session
 from test_dashboard_serve import Served
 from test_ops_cli import Seeded, history_of, statuses
@@ -59,46 +57,42 @@ SCREENSHOTS_ENV = "OUTBOX_SCREENSHOTS"
 expect.set_options(timeout=WAIT_MS)
 
 
-@dataclass
-class Chromium:
-    """The session's browser, and the event loop Playwright's sync API runs it on.
+T = TypeVar("T")
 
-    Between two sync calls Playwright leaves its loop marked as this thread's running loop, so
-    ``asyncio.run`` (the relay's ``run_until_idle``, the seeding CLI) refuses to start. The mark is
-    set only while a test drives the page (``page`` sets and clears it), and lifted around the
-    relay runs in a test (``off_the_browser_loop``): other tests of the session never see it.
+
+def in_thread(work: Callable[[], T]) -> T:
+    """Run asyncio code (a relay) while Playwright drives the page.
+
+    Playwright's sync API keeps its own event loop marked as running in the
+    test's thread, so ``asyncio.run`` (a relay's ``run_until_idle``) must run
+    in another thread.
     """
+    result: list[T] = []
+    errors: list[BaseException] = []
 
-    browser: Browser
-    loop: asyncio.AbstractEventLoop | None
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(120)
+    if errors:
+        raise errors[0]
+    assert result, "the work did not finish within 120 s"
+    return result[0]
 
 
-@contextlib.contextmanager
-def off_the_browser_loop() -> Iterator[None]:
-    """Run asyncio code (a relay) between two Playwright calls, in this thread."""
-    loop = asyncio._get_running_loop()
-    asyncio._set_running_loop(None)
-    try:
-        yield
-    finally:
-        asyncio._set_running_loop(loop)
-
-
-@pytest.fixture(scope="session")
-def chromium() -> Iterator[Chromium]:
+def chromium_path() -> str:
     executable = shutil.which("chromium")
     if executable is None:
         pytest.fail(
             "chromium is not on the PATH: the browser tests need it (Debian: apt-get install chromium); "
             "`playwright install` is not used"
         )
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
-        running = Chromium(browser, asyncio._get_running_loop())
-        asyncio._set_running_loop(None)
-        yield running
-        asyncio._set_running_loop(running.loop)
-        browser.close()
+    return executable
 
 
 @dataclass
@@ -137,9 +131,11 @@ def console() -> list[str]:
 
 
 @pytest.fixture
-def page(chromium: Chromium, dashboard: Callable[..., Dashboard], console: list[str]) -> Iterator[Page]:
-    asyncio._set_running_loop(chromium.loop)
-    context = chromium.browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
+def page(dashboard: Callable[..., Dashboard], console: list[str]) -> Iterator[Page]:
+    """A fresh browser per test, started after the database is seeded (seeding runs asyncio here)."""
+    playwright = sync_playwright().start()
+    browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
+    context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
     context.set_default_timeout(WAIT_MS)
 
     def watch(tab: Page) -> None:
@@ -161,7 +157,8 @@ def page(chromium: Chromium, dashboard: Callable[..., Dashboard], console: list[
         yield tab
     finally:
         context.close()
-        asyncio._set_running_loop(None)
+        browser.close()
+        playwright.stop()
 
 
 def dead_ids(seeded: Seeded) -> tuple[int, int]:
@@ -267,8 +264,7 @@ def test_requeue_from_dead_letters_then_the_copy_delivers(page, dashboard, seede
     assert (last.outcome, last.actor, last.reason) == ("requeued", "dashboard", "billing API is back")
 
     seeded.billing_fixed[0] = True
-    with off_the_browser_loop():
-        Relay(seeded.ob, seeded.engine, queues=["billing"]).run_until_idle()
+    in_thread(Relay(seeded.ob, seeded.engine, queues=["billing"]).run_until_idle)
     page.reload()
     expect(page.locator("h1")).to_have_text(f"Message #{copy} delivered")
     expect(page.locator("table.timeline .badge")).to_have_text(["delivered"])
@@ -417,8 +413,7 @@ def seed_report_runs(seeded: Seeded, folder: Path) -> None:
         sales.start(s, {"month": "2026-11"})
         stock.start(s)
     for _ in range(50):
-        with off_the_browser_loop():
-            Relay(seeded.ob, seeded.engine, queues=["exports"]).run_until_idle()
+        in_thread(Relay(seeded.ob, seeded.engine, queues=["exports"]).run_until_idle)
         if {r.status for r in ops.report_runs(seeded.engine)} == {"complete", "failed"}:
             return
         time.sleep(0.01)
@@ -476,3 +471,15 @@ def test_screenshots_of_every_page(page, dashboard, seeded, console, tmp_path):
     expect(page.locator("#report-runs")).to_contain_text("failed")
     shoot(page, tmp_path, "reports")
     assert console == []
+
+
+def test_the_pages_forms_post_with_their_real_origin(page, dashboard, seeded):
+    """The referrer policy keeps Origin a real origin, so browsers without Sec-Fetch-Site can act too."""
+    dash = dashboard(allow_actions=True)
+    sent: list[dict[str, str]] = []
+    page.on("request", lambda r: sent.append(r.headers) if r.method == "POST" else None)
+    page.goto(dash.url(f"/messages/{seeded.id('order:8')}"))
+    page.fill("form[action$='/discard'] input[name=reason]", "duplicate order")
+    page.click("form[action$='/discard'] button")
+    expect(page.locator("h1")).to_contain_text("discarded")
+    assert sent and sent[0].get("origin") == dash.base
