@@ -218,6 +218,15 @@ def test_bulk_requeue_confirms_the_count_then_acts_on_exactly_those(operator, se
     assert copies_now == {seeded.id("order:7"): "delivered", seeded.id("order:8"): "pending"}
 
 
+def test_the_scope_radio_decides_over_ticked_boxes(operator, seeded):
+    one = seeded.id("order:7")
+    form = {"reason": "r", "id": [str(one)]}
+    picked = operator.post("/dead/requeue", data={**form, "scope": "selected"}, headers=SAME_SITE)
+    assert "Requeue 1 dead message?" in text_of(picked.text)
+    everything = operator.post("/dead/requeue", data={**form, "scope": "filter"}, headers=SAME_SITE)
+    assert "Requeue 2 dead messages?" in text_of(everything.text)
+
+
 def test_a_stale_confirmation_asks_again(operator, seeded):
     first = seeded.id("order:7")
     stale = {"reason": "r", "confirm": "yes", "expected_ids": f"{first}", "scope": "filter"}
@@ -275,6 +284,7 @@ def test_read_only_by_default_and_actions_need_post(reader, seeded):
         {"origin": "http://evil.example"},
         {"sec-fetch-site": "cross-site", "origin": "http://evil.example"},
         {"sec-fetch-site": "same-site"},
+        {"origin": "null"},
         {},
     ],
 )
@@ -284,6 +294,15 @@ def test_cross_site_posts_are_refused(operator, seeded, headers):
     )
     assert response.status_code == 403 and "refused" in response.text
     assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+def test_a_same_origin_fetch_site_is_enough_even_with_origin_null(operator, seeded):
+    # A privacy setting or extension that blanks the referrer makes Chromium send Origin "null".
+    mid = seeded.id("order:8")
+    own_form = {"sec-fetch-site": "same-origin", "origin": "null"}
+    done = operator.post(f"/messages/{mid}/discard", data={"reason": "duplicate"}, headers=own_form)
+    assert done.status_code == 200
+    assert statuses(seeded.engine)["order:8"] == "discarded"
 
 
 def test_auth_decides_per_request_and_per_action(seeded):

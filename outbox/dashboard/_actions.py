@@ -114,10 +114,10 @@ async def _bulk(request: Request, form: FormData, verb: str) -> Response:
     reason, chosen = reason_and_ids(form, [str(i) for i in form.getlist("id")])
     query = parse_list_query(form, page_size=settings.page_size, status="dead")  # type: ignore[arg-type]
     confirmed = form.get("confirm")
-    if chosen:
-        where = ops.MessageFilter(ids=tuple(chosen), status="dead")
-    elif form.get("scope") == "filter":
+    if form.get("scope") == "filter":  # the radio wins over boxes left ticked; a confirmation has no scope
         where = query.where
+    elif chosen:
+        where = ops.MessageFilter(ids=tuple(chosen), status="dead")
     else:
         raise BadInput("select messages, or choose to act on every message the filter matches")
     ids = await run_in_threadpool(

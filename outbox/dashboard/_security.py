@@ -61,7 +61,7 @@ _HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
     (b"x-frame-options", b"DENY"),
     (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"no-referrer"),
+    (b"referrer-policy", b"same-origin"),
     (b"cross-origin-opener-policy", b"same-origin"),
     (b"cross-origin-resource-policy", b"same-origin"),
 )
@@ -129,13 +129,17 @@ def cross_site_problem(request: Request, trusted_origins: Iterable[str] = ()) ->
     """Why this mutation may come from another site, or None when it comes from the dashboard's own pages.
 
     ``Sec-Fetch-Site`` is set by every current browser and cannot be forged by
-    a page; ``Origin`` covers older ones. A request with neither did not come
-    from a browser form of ours, and a mutation is too costly to guess.
+    a page, so ``same-origin`` settles it. ``Origin`` covers older browsers
+    (the pages' ``same-origin`` referrer policy keeps it a real origin, where
+    ``no-referrer`` would make it ``null``). A request with neither did not
+    come from a browser form of ours, and a mutation is too costly to guess.
     """
     site = request.headers.get("sec-fetch-site")
     origin = request.headers.get("origin")
     if site is not None and site not in ("same-origin", "none"):
         return f"cross-site request refused (Sec-Fetch-Site: {site})"
+    if site == "same-origin":
+        return None
     if origin is not None:
         if origin == own_origin(request) or origin in set(trusted_origins):
             return None
