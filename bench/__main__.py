@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .ceiling import ceiling
+from .dashboard import dashboard
 from .drain import RelaySettings, drain_postgres, drain_sqlite
 from .emit import emit_overhead
 from .harness import Scratch, server_version
@@ -52,10 +53,24 @@ class Sizes:
     sqlite_emit_transactions: int
     sqlite_drain: int
     ceiling_runs: int
+    dashboard_messages: int
+    dashboard_samples: int
 
 
-FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3)
-QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1)
+FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3, 1_000_000, 50)
+QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 50_000, 20)
+
+#: What ``--only`` accepts, in the order the modes run.
+MODES = ("emit", "latency", "drain", "ceiling", "failmix", "memory", "sqlite", "dashboard")
+#: The dashboard's timed pages: JSON key part, table label.
+DASHBOARD_PAGES = (
+    ("overview", "overview /"),
+    ("list_dead", "list status=dead&queue=q3"),
+    ("list_handler", "list handler=h7&since=7d ago"),
+    ("list_payload", "list queue=q1&payload.customer.id=123"),
+    ("detail", "detail (history, lineage)"),
+)
+DASHBOARD_P95_MS = 150.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +85,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=500, help="relay --concurrency (default: 500)")
     p.add_argument("--batch-size", type=int, default=250, help="relay --batch-size (default: 250)")
     p.add_argument("--no-sqlite", action="store_true", help="skip the SQLite runs")
+    p.add_argument(
+        "--only",
+        type=_modes,
+        default=MODES,
+        metavar="MODE[,MODE...]",
+        help=f"run only these modes, of: {', '.join(MODES)} (default: all)",
+    )
+    p.add_argument(
+        "--explain", type=Path, help="write the dashboard mode's EXPLAIN (ANALYZE, BUFFERS) plans here"
+    )
     return p
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {', '.join(unknown) or text!r}; of {', '.join(MODES)}"
+        )
+    return names
 
 
 def _cpu_busy(seconds: float = 1.0) -> float:
@@ -137,6 +172,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     settings = RelaySettings(concurrency=args.concurrency, batch_size=args.batch_size)
     scratch = Scratch(args.database_url)
     r = Run(scratch.settle)
+    want = set(args.only).__contains__
     out = r.result
     out.update(_machine())
     out.update(
@@ -149,75 +185,85 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     )
     try:
         out["machine_postgresql"] = server_version(scratch.admin)
-        emit = r.mode(
-            "emit overhead (postgresql)",
-            lambda: emit_overhead(scratch.postgres("emit"), transactions=sizes.emit_transactions),
-        )
-        if emit:
-            out.update(
-                emit_overhead_ratio=emit["ratio"],
-                emit_per_s_without=emit["rate_without"],
-                emit_per_s_installed_no_emit=emit["rate_installed"],
-                emit_per_s_with=emit["rate_with"],
+        if want("emit"):
+            emit = r.mode(
+                "emit overhead (postgresql)",
+                lambda: emit_overhead(scratch.postgres("emit"), transactions=sizes.emit_transactions),
             )
-        wake = r.mode(
-            "wake-up latency",
-            lambda: wake_latency(
-                scratch, rate=sizes.latency_rate, seconds=sizes.latency_seconds, settings=settings
-            ),
-        )
-        if wake:
-            out.update(
-                latency_ms_p50=wake["p50"],
-                latency_ms_p95=wake["p95"],
-                latency_ms_p99=wake["p99"],
-                latency_ms_max=wake["max"],
-                latency_samples=wake["samples"],
+            if emit:
+                out.update(
+                    emit_overhead_ratio=emit["ratio"],
+                    emit_per_s_without=emit["rate_without"],
+                    emit_per_s_installed_no_emit=emit["rate_installed"],
+                    emit_per_s_with=emit["rate_with"],
+                )
+        if want("latency"):
+            wake = r.mode(
+                "wake-up latency",
+                lambda: wake_latency(
+                    scratch, rate=sizes.latency_rate, seconds=sizes.latency_seconds, settings=settings
+                ),
             )
-        one = r.mode(
-            "drain, 1 relay",
-            lambda: drain_postgres(scratch, relay_count=1, count=sizes.drain, settings=settings),
-        )
-        if one:
-            out.update(drain_per_s_1=one["per_s"], drain_history_span_per_s_1=one["history_span_per_s"])
-        two = r.mode(
-            "drain, 2 relays",
-            lambda: drain_postgres(scratch, relay_count=2, count=sizes.drain, settings=settings),
-        )
-        if two:
-            shares = sorted(two["by_relay"].values())
-            out.update(
-                drain_per_s_2=two["per_s"],
-                drain_history_span_per_s_2=two["history_span_per_s"],
-                drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
+            if wake:
+                out.update(
+                    latency_ms_p50=wake["p50"],
+                    latency_ms_p95=wake["p95"],
+                    latency_ms_p99=wake["p99"],
+                    latency_ms_max=wake["max"],
+                    latency_samples=wake["samples"],
+                )
+        if want("drain"):
+            one = r.mode(
+                "drain, 1 relay",
+                lambda: drain_postgres(scratch, relay_count=1, count=sizes.drain, settings=settings),
             )
-        top = r.mode(
-            "ceiling (raw psycopg loop)",
-            lambda: ceiling(
-                scratch, count=sizes.drain, batch_size=settings.batch_size, runs=sizes.ceiling_runs
-            ),
-        )
-        if top:
-            out.update(
-                ceiling_per_s=top["per_s"],
-                ceiling_batch_size=settings.batch_size,
-                ceiling_runs_per_s=", ".join(f"{rate:.0f}" for rate in top["runs"]),
+            if one:
+                out.update(drain_per_s_1=one["per_s"], drain_history_span_per_s_1=one["history_span_per_s"])
+            two = r.mode(
+                "drain, 2 relays",
+                lambda: drain_postgres(scratch, relay_count=2, count=sizes.drain, settings=settings),
             )
-            if out["drain_per_s_1"] is not None:
-                out["drain_vs_ceiling"] = out["drain_per_s_1"] / top["per_s"]
-        mix = r.mode(
-            "failure mix",
-            lambda: drain_postgres(
-                scratch, relay_count=1, count=sizes.drain, settings=settings, fail_every=10, purpose="failmix"
-            ),
-        )
-        if mix:
-            out.update(
-                failure_mix_per_s=mix["per_s"],
-                failure_mix_history_rows=mix["history_rows"],
-                failure_mix_failing=mix["failing"],
+            if two:
+                shares = sorted(two["by_relay"].values())
+                out.update(
+                    drain_per_s_2=two["per_s"],
+                    drain_history_span_per_s_2=two["history_span_per_s"],
+                    drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
+                )
+        if want("ceiling"):
+            top = r.mode(
+                "ceiling (raw psycopg loop)",
+                lambda: ceiling(
+                    scratch, count=sizes.drain, batch_size=settings.batch_size, runs=sizes.ceiling_runs
+                ),
             )
-        if sizes.memory is not None:
+            if top:
+                out.update(
+                    ceiling_per_s=top["per_s"],
+                    ceiling_batch_size=settings.batch_size,
+                    ceiling_runs_per_s=", ".join(f"{rate:.0f}" for rate in top["runs"]),
+                )
+                if out["drain_per_s_1"] is not None:
+                    out["drain_vs_ceiling"] = out["drain_per_s_1"] / top["per_s"]
+        if want("failmix"):
+            mix = r.mode(
+                "failure mix",
+                lambda: drain_postgres(
+                    scratch,
+                    relay_count=1,
+                    count=sizes.drain,
+                    settings=settings,
+                    fail_every=10,
+                    purpose="failmix",
+                ),
+            )
+            if mix:
+                out.update(
+                    failure_mix_per_s=mix["per_s"],
+                    failure_mix_history_rows=mix["history_rows"],
+                    failure_mix_failing=mix["failing"],
+                )
+        if want("memory") and sizes.memory is not None:
             small, large = sizes.memory
             mem = r.mode("memory", lambda: peak_rss(scratch, small=small, large=large, settings=settings))
             if mem:
@@ -228,7 +274,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     rss_growth=mem["growth"],
                     drain_per_s_90k_backlog=mem["large_backlog_per_s"],
                 )
-        if not args.no_sqlite:
+        if want("sqlite") and not args.no_sqlite:
             lite = r.mode(
                 "emit overhead (sqlite)",
                 lambda: emit_overhead(scratch.sqlite("emit"), transactions=sizes.sqlite_emit_transactions),
@@ -245,12 +291,42 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             )
             if lite_drain:
                 out["sqlite_drain_per_s_1"] = lite_drain["per_s"]
+        if want("dashboard"):
+            board = r.mode(
+                "dashboard pages",
+                lambda: dashboard(
+                    scratch, messages=sizes.dashboard_messages, samples=sizes.dashboard_samples
+                ),
+            )
+            if board:
+                _dashboard_figures(out, board, args.explain)
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
     out["machine_busy_after_pct"] = round(100 * _cpu_busy(), 1)
     out["failed_modes"] = ", ".join(r.failures) or None
     return out, r.failures
+
+
+def _dashboard_figures(out: dict[str, Any], board: dict[str, Any], explain: Path | None) -> None:
+    out.update(
+        dashboard_messages=board["messages"],
+        dashboard_history_rows=board["history_rows"],
+        dashboard_fill_s=round(board["fill_s"], 1),
+        dashboard_samples=board["samples"],
+        dashboard_overview_cold_ms=board["overview_cold_ms"],
+    )
+    for key, _ in DASHBOARD_PAGES:
+        for stat in ("p50", "p95", "max"):
+            out[f"dashboard_{key}_ms_{stat}"] = board[f"{key}_ms_{stat}"]
+    out["dashboard_seq_scans"] = "; ".join(board["seq_scans"]) or None
+    plans = board["plans"]
+    for plan in plans:
+        uses = ", ".join(plan.indexes) or "no index"
+        seq = f"; SEQ SCAN on {', '.join(plan.seq_scans)}" if plan.seq_scans else ""
+        print(f"bench: dashboard {plan.page}: {plan.execution_ms:.1f} ms, {uses}{seq}", file=sys.stderr)
+    if explain is not None:
+        explain.write_text("\n\n".join(f"-- {p.page}\n{p.sql}\n\n" + "\n".join(p.plan) for p in plans) + "\n")
 
 
 def _fmt(value: Any, spec: str, unit: str = "") -> str:
@@ -341,6 +417,27 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         rows.append(
             ("2 drain, 1 relay (sqlite)", f"{_fmt(out.get('sqlite_drain_per_s_1'), ',.0f')} msg/s", "", "-")
         )
+    if "dashboard_messages" in out:
+        rows.append(
+            (
+                "7 dashboard, first overview",
+                f"{_fmt(out.get('dashboard_overview_cold_ms'), '.0f', ' ms')} "
+                f"({_fmt(out.get('dashboard_messages'), ',d')} messages, "
+                f"{_fmt(out.get('dashboard_history_rows'), ',d')} history rows)",
+                "",
+                "-",
+            )
+        )
+        for key, label in DASHBOARD_PAGES:
+            p95 = out.get(f"dashboard_{key}_ms_p95")
+            rows.append(
+                (
+                    f"7 dashboard {label}",
+                    f"p50 {_fmt(out.get(f'dashboard_{key}_ms_p50'), '.1f')} / p95 {_fmt(p95, '.1f')} ms",
+                    f"p95 <= {DASHBOARD_P95_MS:.0f} ms",
+                    _verdict(None if p95 is None else p95 <= DASHBOARD_P95_MS),
+                )
+            )
     return rows
 
 

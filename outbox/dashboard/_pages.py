@@ -62,7 +62,13 @@ def _listing(engine: Any, query: ListQuery, cap: int) -> dict[str, Any]:
     rows = ops.list_messages(engine, query.where, limit=query.limit + 1, before_id=query.before_id)
     more = len(rows) > query.limit
     rows = rows[: query.limit]
-    return {"rows": rows, "more": more, "count": ops.count_messages(engine, query.where, cap=cap)}
+    if query.before_id is None and not more and len(rows) <= cap:
+        # The first page holds every match: counting them again would repeat the list's
+        # scan, which for a filter no index serves (a payload condition) reads the table twice.
+        count = ops.CappedCount(count=len(rows), capped=False)
+    else:
+        count = ops.count_messages(engine, query.where, cap=cap)
+    return {"rows": rows, "more": more, "count": count}
 
 
 async def _list_page(request: Request, template: str, page: str, status: str | None) -> HTMLResponse:
