@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy import BigInteger, ColumnElement, func, literal, select
+from sqlalchemy import BigInteger, ColumnElement, and_, case, func, literal, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from ._ops_base import NotFound, OpsError, _now, a, m
+from ._ops_base import NotFound, OpsError, _has_copy, _now, a, m
 from ._ops_filters import MessageFilter
 from ._tables import MESSAGE_STATUSES
 
@@ -82,6 +82,10 @@ class QueueHandlerCount:
     handler: str
     status: str
     count: int
+    #: the oldest ``created_at`` among them: how long the oldest has been waiting, for unfinished ones
+    oldest_created_at: datetime | None = None
+    #: for ``dead``: how many already have a requeued copy (the rest wait for an operator)
+    requeued: int = 0
 
 
 def breakdown(engine: Engine, *, statuses: Sequence[str] | None = None) -> list[QueueHandlerCount]:
@@ -94,9 +98,12 @@ def breakdown(engine: Engine, *, statuses: Sequence[str] | None = None) -> list[
     count to those, through ``ix_outbox_message_status_handler``, for a page that
     must load faster than that.
     """
-    stmt = select(m.c.queue, m.c.handler, m.c.status, func.count()).group_by(
-        m.c.queue, m.c.handler, m.c.status
-    )
+    # One pass over the rows gives every figure the overview shows for them; the copy
+    # lookup (ix_outbox_message_requeued_from) runs for dead rows only.
+    requeued = func.coalesce(func.sum(case((and_(m.c.status == "dead", _has_copy()), 1), else_=0)), 0)
+    stmt = select(
+        m.c.queue, m.c.handler, m.c.status, func.count(), func.min(m.c.created_at), requeued
+    ).group_by(m.c.queue, m.c.handler, m.c.status)
     if statuses is not None:
         unknown = sorted(set(statuses) - set(MESSAGE_STATUSES))
         if isinstance(statuses, str) or unknown:
@@ -106,7 +113,10 @@ def breakdown(engine: Engine, *, statuses: Sequence[str] | None = None) -> list[
         stmt = stmt.where(m.c.status.in_(sorted(set(statuses))))
     with engine.connect() as conn:
         rows = conn.execute(stmt).all()
-    return [QueueHandlerCount(q, h, s, int(n)) for q, h, s, n in sorted(rows, key=lambda r: tuple(r[:3]))]
+    return [
+        QueueHandlerCount(q, h, s, int(n), oldest, int(copied))
+        for q, h, s, n, oldest, copied in sorted(rows, key=lambda r: tuple(r[:3]))
+    ]
 
 
 # -- activity ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Integer, String, insert, select
+from sqlalchemy import Integer, String, func, insert, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from test_ops_cli import FAST, ok_json, run
@@ -150,15 +150,27 @@ def test_the_breakdown_counts_by_queue_handler_and_status(shop):
     shop.emit("order.paid", {"order_id": 2}, key="paid:2", queue="billing-eu")
     shop.relay()
     shop.emit("user.signed_up", {"user_id": 9}, key="signup:9")
-    assert ops.breakdown(shop.engine) == [
-        ops.QueueHandlerCount("billing", "invoice", "dead", 1),
-        ops.QueueHandlerCount("billing-eu", "invoice", "dead", 1),
-        ops.QueueHandlerCount("mail", "welcome_email", "delivered", 3),
-        ops.QueueHandlerCount("mail", "welcome_email", "pending", 1),
+    cells = ops.breakdown(shop.engine)
+    assert [(c.queue, c.handler, c.status, c.count) for c in cells] == [
+        ("billing", "invoice", "dead", 1),
+        ("billing-eu", "invoice", "dead", 1),
+        ("mail", "welcome_email", "delivered", 3),
+        ("mail", "welcome_email", "pending", 1),
     ]
+    with shop.engine.connect() as conn:
+        first_signup = conn.execute(
+            select(func.min(m.c.created_at)).where(m.c.handler == "welcome_email", m.c.status == "pending")
+        ).scalar_one()
+    assert cells[3].oldest_created_at == first_signup
+    assert [c.requeued for c in cells] == [0, 0, 0, 0]
+    ops.requeue(shop.engine, ops.MessageFilter(queue="billing"), reason="retry", actor="ops")
+    dead = {(c.queue, c.status): c for c in ops.breakdown(shop.engine, statuses=("dead",))}
+    assert (dead["billing", "dead"].count, dead["billing", "dead"].requeued) == (1, 1)
+    assert dead["billing-eu", "dead"].requeued == 0
     unfinished = ops.breakdown(shop.engine, statuses=("pending", "running", "dead", "discarded"))
     assert [(c.queue, c.status, c.count) for c in unfinished] == [
         ("billing", "dead", 1),
+        ("billing", "pending", 1),  # the requeued copy
         ("billing-eu", "dead", 1),
         ("mail", "pending", 1),
     ]

@@ -33,7 +33,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     trusted_origins: Sequence[str] = (),
     page_size: int = 50,
-    count_cap: int = 10_000,
+    count_cap: int = 1_000,
     bulk_cap: int = 1_000,
     poll_interval: float = 1.0,
     finished_max_age: float = 30.0,

@@ -1,8 +1,8 @@
 """The overview's figures, read so that the page stays fast on a table of millions.
 
-Everything an operator acts on is read per request: unfinished and dead
-messages (index scans over a small fraction of the table), the last hour of
-history, pauses and relays. Finished messages (delivered, discarded) are most
+Everything an operator acts on is read per request: pending, running and
+dead messages in one pass (an index scan over a small fraction of the table),
+the last hour of history, pauses and relays. Finished messages (delivered, discarded) are most
 of a mature table, and counting them means reading all of it, about 0.2 s per
 million rows; those counts are refreshed in a background thread at most every
 ``finished_max_age`` seconds and shown with their age. The first overview after
@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -94,19 +95,40 @@ def _bars(minutes: list[ops.MinuteActivity]) -> tuple[list[Bar], int]:
     return bars, peak
 
 
+@dataclass(frozen=True)
+class Summary:
+    dead: int  # dead and not requeued: waiting for an operator
+    dead_requeued: int
+    oldest_unfinished_age_s: dict[str, float]  # per queue, pending or running, from created_at
+    paused: list[ops.Pause]
+
+
 def overview_data(engine: Engine, finished: FinishedCounts) -> dict[str, Any]:
-    stats = ops.stats(engine, counts=False)
+    """One pass over the unfinished messages, the last hour of history, pauses and relays; no full count."""
+    live = ops.breakdown(engine, statuses=UNFINISHED)
     done, age = finished.get()
-    cells = ops.breakdown(engine, statuses=UNFINISHED) + done
+    now = datetime.now(UTC)
     queues: dict[str, dict[str, dict[str, int]]] = {}
     by_status: dict[str, int] = {}
-    for cell in cells:
+    oldest: dict[str, datetime] = {}
+    for cell in live + done:
         queues.setdefault(cell.queue, {}).setdefault(cell.handler, {})[cell.status] = cell.count
         by_status[cell.status] = by_status.get(cell.status, 0) + cell.count
+        stamp = cell.oldest_created_at
+        if cell.status in ("pending", "running") and stamp is not None:
+            first = oldest.get(cell.queue)
+            oldest[cell.queue] = stamp if first is None else min(first, stamp)
+    requeued = sum(c.requeued for c in live if c.status == "dead")
+    summary = Summary(
+        dead=by_status.get("dead", 0) - requeued,
+        dead_requeued=requeued,
+        oldest_unfinished_age_s={q: max(0.0, (now - t).total_seconds()) for q, t in oldest.items()},
+        paused=ops.paused(engine),
+    )
     activity = ops.activity(engine, minutes=60)
     bars, peak = _bars(activity)
     return {
-        "stats": stats,
+        "stats": summary,
         "by_status": by_status,
         "finished_age": age,
         "queues": {q: dict(sorted(h.items())) for q, h in sorted(queues.items())},
