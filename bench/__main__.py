@@ -52,10 +52,13 @@ class Sizes:
     sqlite_emit_transactions: int
     sqlite_drain: int
     ceiling_runs: int
+    broker: int = 20000
 
 
-FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3)
-QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1)
+FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3, 20000)
+QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 2000)
+#: Modes ``--only`` runs by themselves.
+ONLY = ("nats",)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=500, help="relay --concurrency (default: 500)")
     p.add_argument("--batch-size", type=int, default=250, help="relay --batch-size (default: 250)")
     p.add_argument("--no-sqlite", action="store_true", help="skip the SQLite runs")
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("OUTBOX_BENCH_NATS_URL", "nats://127.0.0.1:4222"),
+        help="a NATS server with JetStream for mode 7 (default: nats://127.0.0.1:4222)",
+    )
+    p.add_argument("--no-nats", action="store_true", help="skip mode 7 (NATS JetStream)")
+    p.add_argument("--only", choices=ONLY, help="run this mode alone")
     return p
 
 
@@ -149,108 +159,135 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     )
     try:
         out["machine_postgresql"] = server_version(scratch.admin)
-        emit = r.mode(
-            "emit overhead (postgresql)",
-            lambda: emit_overhead(scratch.postgres("emit"), transactions=sizes.emit_transactions),
-        )
-        if emit:
-            out.update(
-                emit_overhead_ratio=emit["ratio"],
-                emit_per_s_without=emit["rate_without"],
-                emit_per_s_installed_no_emit=emit["rate_installed"],
-                emit_per_s_with=emit["rate_with"],
-            )
-        wake = r.mode(
-            "wake-up latency",
-            lambda: wake_latency(
-                scratch, rate=sizes.latency_rate, seconds=sizes.latency_seconds, settings=settings
-            ),
-        )
-        if wake:
-            out.update(
-                latency_ms_p50=wake["p50"],
-                latency_ms_p95=wake["p95"],
-                latency_ms_p99=wake["p99"],
-                latency_ms_max=wake["max"],
-                latency_samples=wake["samples"],
-            )
-        one = r.mode(
-            "drain, 1 relay",
-            lambda: drain_postgres(scratch, relay_count=1, count=sizes.drain, settings=settings),
-        )
-        if one:
-            out.update(drain_per_s_1=one["per_s"], drain_history_span_per_s_1=one["history_span_per_s"])
-        two = r.mode(
-            "drain, 2 relays",
-            lambda: drain_postgres(scratch, relay_count=2, count=sizes.drain, settings=settings),
-        )
-        if two:
-            shares = sorted(two["by_relay"].values())
-            out.update(
-                drain_per_s_2=two["per_s"],
-                drain_history_span_per_s_2=two["history_span_per_s"],
-                drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
-            )
-        top = r.mode(
-            "ceiling (raw psycopg loop)",
-            lambda: ceiling(
-                scratch, count=sizes.drain, batch_size=settings.batch_size, runs=sizes.ceiling_runs
-            ),
-        )
-        if top:
-            out.update(
-                ceiling_per_s=top["per_s"],
-                ceiling_batch_size=settings.batch_size,
-                ceiling_runs_per_s=", ".join(f"{rate:.0f}" for rate in top["runs"]),
-            )
-            if out["drain_per_s_1"] is not None:
-                out["drain_vs_ceiling"] = out["drain_per_s_1"] / top["per_s"]
-        mix = r.mode(
-            "failure mix",
-            lambda: drain_postgres(
-                scratch, relay_count=1, count=sizes.drain, settings=settings, fail_every=10, purpose="failmix"
-            ),
-        )
-        if mix:
-            out.update(
-                failure_mix_per_s=mix["per_s"],
-                failure_mix_history_rows=mix["history_rows"],
-                failure_mix_failing=mix["failing"],
-            )
-        if sizes.memory is not None:
-            small, large = sizes.memory
-            mem = r.mode("memory", lambda: peak_rss(scratch, small=small, large=large, settings=settings))
-            if mem:
-                out.update(
-                    rss_mb_10k=mem["small_mb"],
-                    rss_mb_100k=mem["large_mb"],
-                    rss_mb_idle=mem["idle_mb"],
-                    rss_growth=mem["growth"],
-                    drain_per_s_90k_backlog=mem["large_backlog_per_s"],
-                )
-        if not args.no_sqlite:
-            lite = r.mode(
-                "emit overhead (sqlite)",
-                lambda: emit_overhead(scratch.sqlite("emit"), transactions=sizes.sqlite_emit_transactions),
-            )
-            if lite:
-                out.update(
-                    sqlite_emit_overhead_ratio=lite["ratio"],
-                    sqlite_emit_per_s_without=lite["rate_without"],
-                    sqlite_emit_per_s_with=lite["rate_with"],
-                )
-            lite_drain = r.mode(
-                "drain, 1 relay (sqlite)",
-                lambda: drain_sqlite(scratch, count=sizes.sqlite_drain, settings=settings),
-            )
-            if lite_drain:
-                out["sqlite_drain_per_s_1"] = lite_drain["per_s"]
+        if args.only is None:
+            _core_modes(r, args, scratch, sizes, settings)
+        if args.only == "nats" or (args.only is None and not args.no_nats):
+            _nats_mode(r, args, scratch, sizes, settings)
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
     out["machine_busy_after_pct"] = round(100 * _cpu_busy(), 1)
     out["failed_modes"] = ", ".join(r.failures) or None
     return out, r.failures
+
+
+def _nats_mode(
+    r: Run, args: argparse.Namespace, scratch: Scratch, sizes: Sizes, settings: RelaySettings
+) -> None:
+    from .nats import nats_publish  # nats-py only when this mode runs
+
+    out = r.result
+    figures = r.mode(
+        "NATS JetStream publish",
+        lambda: nats_publish(scratch, url=args.nats_url, count=sizes.broker, settings=settings),
+    )
+    out["messages_nats"] = sizes.broker
+    if figures:
+        out.update(
+            nats_raw_per_s=figures["raw_per_s"],
+            nats_outbox_per_s=figures["outbox_per_s"],
+            nats_ratio=figures["ratio"],
+        )
+
+
+def _core_modes(
+    r: Run, args: argparse.Namespace, scratch: Scratch, sizes: Sizes, settings: RelaySettings
+) -> None:
+    out = r.result
+    emit = r.mode(
+        "emit overhead (postgresql)",
+        lambda: emit_overhead(scratch.postgres("emit"), transactions=sizes.emit_transactions),
+    )
+    if emit:
+        out.update(
+            emit_overhead_ratio=emit["ratio"],
+            emit_per_s_without=emit["rate_without"],
+            emit_per_s_installed_no_emit=emit["rate_installed"],
+            emit_per_s_with=emit["rate_with"],
+        )
+    wake = r.mode(
+        "wake-up latency",
+        lambda: wake_latency(
+            scratch, rate=sizes.latency_rate, seconds=sizes.latency_seconds, settings=settings
+        ),
+    )
+    if wake:
+        out.update(
+            latency_ms_p50=wake["p50"],
+            latency_ms_p95=wake["p95"],
+            latency_ms_p99=wake["p99"],
+            latency_ms_max=wake["max"],
+            latency_samples=wake["samples"],
+        )
+    one = r.mode(
+        "drain, 1 relay",
+        lambda: drain_postgres(scratch, relay_count=1, count=sizes.drain, settings=settings),
+    )
+    if one:
+        out.update(drain_per_s_1=one["per_s"], drain_history_span_per_s_1=one["history_span_per_s"])
+    two = r.mode(
+        "drain, 2 relays",
+        lambda: drain_postgres(scratch, relay_count=2, count=sizes.drain, settings=settings),
+    )
+    if two:
+        shares = sorted(two["by_relay"].values())
+        out.update(
+            drain_per_s_2=two["per_s"],
+            drain_history_span_per_s_2=two["history_span_per_s"],
+            drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
+        )
+    top = r.mode(
+        "ceiling (raw psycopg loop)",
+        lambda: ceiling(scratch, count=sizes.drain, batch_size=settings.batch_size, runs=sizes.ceiling_runs),
+    )
+    if top:
+        out.update(
+            ceiling_per_s=top["per_s"],
+            ceiling_batch_size=settings.batch_size,
+            ceiling_runs_per_s=", ".join(f"{rate:.0f}" for rate in top["runs"]),
+        )
+        if out["drain_per_s_1"] is not None:
+            out["drain_vs_ceiling"] = out["drain_per_s_1"] / top["per_s"]
+    mix = r.mode(
+        "failure mix",
+        lambda: drain_postgres(
+            scratch, relay_count=1, count=sizes.drain, settings=settings, fail_every=10, purpose="failmix"
+        ),
+    )
+    if mix:
+        out.update(
+            failure_mix_per_s=mix["per_s"],
+            failure_mix_history_rows=mix["history_rows"],
+            failure_mix_failing=mix["failing"],
+        )
+    if sizes.memory is not None:
+        small, large = sizes.memory
+        mem = r.mode("memory", lambda: peak_rss(scratch, small=small, large=large, settings=settings))
+        if mem:
+            out.update(
+                rss_mb_10k=mem["small_mb"],
+                rss_mb_100k=mem["large_mb"],
+                rss_mb_idle=mem["idle_mb"],
+                rss_growth=mem["growth"],
+                drain_per_s_90k_backlog=mem["large_backlog_per_s"],
+            )
+    if not args.no_sqlite:
+        lite = r.mode(
+            "emit overhead (sqlite)",
+            lambda: emit_overhead(scratch.sqlite("emit"), transactions=sizes.sqlite_emit_transactions),
+        )
+        if lite:
+            out.update(
+                sqlite_emit_overhead_ratio=lite["ratio"],
+                sqlite_emit_per_s_without=lite["rate_without"],
+                sqlite_emit_per_s_with=lite["rate_with"],
+            )
+        lite_drain = r.mode(
+            "drain, 1 relay (sqlite)",
+            lambda: drain_sqlite(scratch, count=sizes.sqlite_drain, settings=settings),
+        )
+        if lite_drain:
+            out["sqlite_drain_per_s_1"] = lite_drain["per_s"]
 
 
 def _fmt(value: Any, spec: str, unit: str = "") -> str:
@@ -327,6 +364,17 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _verdict(None if small is None or large is None else large <= small * 1.10),
         )
     )
+    if "messages_nats" in out:
+        ratio = out.get("nats_ratio")
+        rows.append(
+            (
+                "7 NATS publish (outbox / raw)",
+                f"{_fmt(out.get('nats_outbox_per_s'), ',.0f')} / {_fmt(out.get('nats_raw_per_s'), ',.0f')} "
+                f"msg/s, ratio {_fmt(ratio, '.2f')}",
+                "ratio >= 0.70",
+                _verdict(None if ratio is None else ratio >= 0.70),
+            )
+        )
     if "sqlite_emit_overhead_ratio" in out or "sqlite_drain_per_s_1" in out:
         rows.append(
             (
