@@ -55,13 +55,14 @@ class Sizes:
     ceiling_runs: int
     dashboard_messages: int
     dashboard_samples: int
+    broker: int  # messages each broker mode publishes
 
 
-FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3, 1_000_000, 50)
-QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 50_000, 20)
+FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3, 1_000_000, 50, 20000)
+QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 50_000, 20, 2000)
 
 #: What ``--only`` accepts, in the order the modes run.
-MODES = ("emit", "latency", "drain", "ceiling", "failmix", "memory", "sqlite", "dashboard")
+MODES = ("emit", "latency", "drain", "ceiling", "failmix", "memory", "sqlite", "dashboard", "nats")
 #: The dashboard's timed pages: JSON key part, table label.
 DASHBOARD_PAGES = (
     ("overview", "overview /"),
@@ -95,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--explain", type=Path, help="write the dashboard mode's EXPLAIN (ANALYZE, BUFFERS) plans here"
     )
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("OUTBOX_BENCH_NATS_URL", "nats://127.0.0.1:4222"),
+        help="a NATS server with JetStream for the nats mode (default: nats://127.0.0.1:4222)",
+    )
+    p.add_argument("--no-nats", action="store_true", help="skip the nats mode")
     return p
 
 
@@ -300,12 +307,33 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             )
             if board:
                 _dashboard_figures(out, board, args.explain)
+        if want("nats") and not args.no_nats:
+            _nats_mode(r, args, scratch, sizes, settings)
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
     out["machine_busy_after_pct"] = round(100 * _cpu_busy(), 1)
     out["failed_modes"] = ", ".join(r.failures) or None
     return out, r.failures
+
+
+def _nats_mode(
+    r: Run, args: argparse.Namespace, scratch: Scratch, sizes: Sizes, settings: RelaySettings
+) -> None:
+    from .nats import nats_publish  # nats-py only when this mode runs
+
+    out = r.result
+    figures = r.mode(
+        "NATS JetStream publish",
+        lambda: nats_publish(scratch, url=args.nats_url, count=sizes.broker, settings=settings),
+    )
+    out["messages_nats"] = sizes.broker
+    if figures:
+        out.update(
+            nats_raw_per_s=figures["raw_per_s"],
+            nats_outbox_per_s=figures["outbox_per_s"],
+            nats_ratio=figures["ratio"],
+        )
 
 
 def _dashboard_figures(out: dict[str, Any], board: dict[str, Any], explain: Path | None) -> None:
@@ -403,6 +431,17 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _verdict(None if small is None or large is None else large <= small * 1.10),
         )
     )
+    if "messages_nats" in out:
+        ratio = out.get("nats_ratio")
+        rows.append(
+            (
+                "NATS publish (outbox / raw)",
+                f"{_fmt(out.get('nats_outbox_per_s'), ',.0f')} / {_fmt(out.get('nats_raw_per_s'), ',.0f')} "
+                f"msg/s, ratio {_fmt(ratio, '.2f')}",
+                "ratio >= 0.70",
+                _verdict(None if ratio is None else ratio >= 0.70),
+            )
+        )
     if "sqlite_emit_overhead_ratio" in out or "sqlite_drain_per_s_1" in out:
         rows.append(
             (

@@ -25,7 +25,7 @@ from sqlalchemy.pool import NullPool
 import outbox
 from outbox import outbox_message
 
-from .app import EVENTS, ob
+from .app import ob
 from .verify import Unverified
 
 __all__ = [
@@ -146,18 +146,21 @@ FROM generate_series(%(first)s, %(first)s + %(count)s - 1) AS g
 """
 
 
-def prefill(url: URL, route: str, count: int, *, first: int = 0, fail_every: int = 0) -> float:
+def prefill(
+    url: URL, route: str, count: int, *, first: int = 0, fail_every: int = 0, app: outbox.Outbox = ob
+) -> float:
     """Store ``count`` messages for ``route`` in one transaction; returns ``time.time()`` after the commit.
 
     The rows are exactly what ``emit()`` writes for a one-route event (one
     INSERT of generated rows instead of 20,000 ORM transactions, which mode 1
     measures on its own). On PostgreSQL the commit fires the NOTIFY trigger
-    once, which is the start signal for relays already listening.
+    once, which is the start signal for relays already listening. ``app`` is
+    the Outbox whose route it is (the relays' ``--app``).
     """
-    spec = ob.get_route(route)
+    spec = app.get_route(route)
     if url.get_backend_name() == "postgresql":
         params = {
-            "event_type": EVENTS[route],
+            "event_type": spec.event_type,
             "handler": route,
             "queue": spec.queue,
             "priority": spec.priority,
@@ -176,7 +179,7 @@ def prefill(url: URL, route: str, count: int, *, first: int = 0, fail_every: int
     rows = [
         {
             "event_id": uuid.uuid4(),
-            "event_type": EVENTS[route],
+            "event_type": spec.event_type,
             "handler": route,
             "queue": spec.queue,
             "priority": spec.priority,

@@ -350,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DatabaseUnavailable as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+    except ConfigurationError as exc:  # a handler's outbox_start refused this configuration
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     except SQLAlchemyError as exc:  # --once: a drain reports database errors instead of retrying
         print(f"{PROG}: database error: {_first_line(exc)}", file=sys.stderr)
         return 1

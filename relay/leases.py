@@ -23,10 +23,15 @@ from .announce import send
 from .dispatch import to_message
 from .runtime import Runtime, first_line, log
 
-__all__ = ["LeaseKeeper"]
+__all__ = ["LeaseKeeper", "recover_period"]
 
 #: Seconds between warnings about pending rows for routes this relay has no handler for.
 _UNKNOWN_REPORT_EVERY = 300.0
+
+
+def recover_period(lease: float) -> float:
+    """Seconds between the recoverer's looks for lapsed leases (also part of the longest retry gap)."""
+    return min(max(lease / 2, 0.1), 10.0)
 
 
 class LeaseKeeper:
@@ -99,7 +104,7 @@ class LeaseKeeper:
         return len(recovered)
 
     async def recoverer(self) -> None:
-        period = min(max(self._lease / 2, 0.1), 10.0)
+        period = recover_period(self._lease)
         while True:
             try:
                 await self.recover_once()

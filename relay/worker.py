@@ -55,7 +55,7 @@ from .announce import send
 from .claimer import Claimer
 from .db import Listener, make_engine, supports_listen
 from .dispatch import secrets_of
-from .hooks import bind_handlers, shutdown_handlers
+from .hooks import bind_handlers, shutdown_handlers, start_handlers
 from .leases import LeaseKeeper
 from .metrics import RelayMetrics
 from .registry import Registry
@@ -309,6 +309,7 @@ class Relay:
         try:
             await self._check_database(rt)
             bind_handlers(self._routes.values(), self.engine)
+            await self._start_handlers()
             if install_signal_handlers:
                 self._install_signals()
             signals.messages_committed.connect(self._on_commit, sender=self.outbox, weak=False)
@@ -356,6 +357,12 @@ class Relay:
             if started:  # also when serving failed: whoever saw it start must see it stop
                 log.info("relay %s stopped", self.id, extra={"action": "stopped", "relay_id": self.id})
                 send(signals.relay_stopped, self.outbox, relay=self)
+
+    async def _start_handlers(self) -> None:
+        """``outbox_start`` hooks; a ConfigurationError from one means this relay does not start."""
+        await start_handlers(
+            self._routes.values(), self._redactor, lease=self.lease, poll_interval=self.poll_interval
+        )
 
     def _start(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         """A background task that is restarted, loudly, if it ever fails or ends."""
@@ -421,6 +428,7 @@ class Relay:
         try:
             await self._check_database(rt)
             bind_handlers(self._routes.values(), self.engine)
+            await self._start_handlers()
             await self._leases.report_unknown_handlers()
             await self._leases.recover_once()
             self._background = [self._start("outbox-heartbeat", self._leases.heartbeat)]

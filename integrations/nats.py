@@ -1,0 +1,385 @@
+"""Publish to NATS JetStream: the CloudEvents envelope, acked publishes, the broker's dedupe window.
+
+::
+
+    from outbox.integrations.nats import NatsPublisher
+
+    ob.route(
+        "order.paid",
+        NatsPublisher("nats://127.0.0.1:4222", subject="orders.{event_type}", stream="ORDERS"),
+        name="orders_nats",
+    )
+
+Each message is published with ``Nats-Msg-Id`` set to the envelope's dedupe id
+(event id and route, kept by retries and requeued copies), so JetStream drops
+a second copy that arrives inside the stream's duplicate window. A publish
+counts only once JetStream acknowledged it; an ack flagged ``duplicate``
+counts as delivered too (the first copy is stored), recorded as
+``duplicate: true`` with the stream and sequence.
+
+=====================================  ==============================================================
+acked (stored, or a duplicate)         delivered; detail: subject, stream, seq, duplicate, msg_id
+no ack within ``publish_timeout``      retried (the server may have stored it: the retry is deduped)
+connection down or reconnecting        retried after a second, without waiting for a timeout, and
+                                       not counted as an attempt (nothing was sent)
+no stream captures the subject         dead with the reason (a stream is configuration: create it,
+                                       then requeue); a JetStream that does not answer is retried
+JetStream refuses it (400: expected    dead with the server's description
+stream mismatch, message too large)
+other JetStream errors (503, limits)   retried
+=====================================  ==============================================================
+
+Before the relay claims anything, ``outbox_start`` compares the stream's
+``duplicate_window`` with the route's longest retry gap (see
+``outbox.relay.hooks``): a retry that comes later than the window is stored
+twice. ``on_short_window="warn"`` logs ``nats_window_short``; ``"refuse"``
+raises ``ConfigurationError`` so the relay does not start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from outbox import ConfigurationError, Message, PermanentError, RetryLater, Route
+from outbox._redact import Redactor
+
+from ._envelope import RoutingTemplate, envelope
+from ._nats_window import WindowCheck, check_window
+
+__all__ = ["NatsPublisher"]
+
+log = logging.getLogger("outbox.integrations.nats")
+
+#: How long a route whose window check failed under ``on_short_window="refuse"`` waits between tries.
+BLOCKED_RETRY = 60.0
+#: Seconds between reconnection attempts, and before a delivery that found the connection down is retried.
+RECONNECT_WAIT = 1.0
+_SCHEMES = ("nats", "tls", "ws", "wss")
+_RESERVED_OPTIONS = frozenset(
+    {"servers", "allow_reconnect", "max_reconnect_attempts", "error_cb", "disconnected_cb", "reconnected_cb"}
+)
+_SECRET_OPTIONS = ("password", "token", "nkeys_seed_str")
+_BAD_SUBJECT = re.compile(r"[\s*>]|^\.|\.\.|\.$")
+_BAD_STREAM = re.compile(r"[\s.*>/\\]")
+_STATIC = {"event_type", "handler"}  # template fields a route fixes, so its subject is known at start
+
+
+def _servers(servers: object) -> list[str]:
+    listed = [servers] if isinstance(servers, str) else servers
+    if not isinstance(listed, list | tuple) or not listed:
+        raise ConfigurationError("servers must be a NATS URL or a non-empty list of them")
+    for url in listed:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in _SCHEMES or not parts.hostname:
+            # Never the URL itself in the error: it may carry a password.
+            raise ConfigurationError(
+                "NATS servers must be URLs like nats://host:4222 (schemes: " + ", ".join(_SCHEMES) + ")"
+            )
+    return [str(url) for url in listed]
+
+
+@dataclass(slots=True)
+class _Link:
+    """The connection of one event loop (the relay's): opened at first use, closed at shutdown."""
+
+    client: Client | None = None
+    js: JetStreamContext | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one connect at a time
+    check_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one deferred window check
+
+
+class NatsPublisher:
+    """Publish each message to JetStream on ``subject`` (a template), acked, deduplicated by ``Nats-Msg-Id``.
+
+    ``servers`` is one ``nats://`` URL or several (credentials in the URL are
+    masked in logs and history). ``stream`` names the stream the subject must
+    land in (sent as ``Nats-Expected-Stream``, and the stream whose window is
+    checked); without it the stream is looked up by the route's subject.
+    ``connect_options`` go to ``nats.connect`` (``tls``, ``user_credentials``,
+    ``token``...); reconnection is always on and never gives up.
+    """
+
+    def __init__(
+        self,
+        servers: str | Sequence[str],
+        subject: str = "{event_type}",
+        stream: str | None = None,
+        *,
+        source: str = "urn:sqlalchemy-outbox:{handler}",
+        publish_timeout: float = 5.0,
+        on_short_window: Literal["warn", "refuse"] = "warn",
+        connect_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.servers = _servers(servers)
+        self._subject = RoutingTemplate(subject, "NATS subject")
+        self.subject = subject
+        if _BAD_SUBJECT.search(subject.format(**dict.fromkeys(self._subject.fields, "x"))):
+            raise ConfigurationError(f"NATS subject {subject!r}: no spaces, wildcards or empty tokens")
+        if stream is not None and (not isinstance(stream, str) or not stream or _BAD_STREAM.search(stream)):
+            raise ConfigurationError(f"stream must be a JetStream stream name, got {stream!r}")
+        self.stream = stream
+        if not isinstance(source, str) or not source:
+            raise ConfigurationError("source must be a non-empty string")
+        self.source = source
+        if (
+            isinstance(publish_timeout, bool)
+            or not isinstance(publish_timeout, int | float)
+            or not math.isfinite(publish_timeout)
+            or publish_timeout <= 0
+        ):
+            raise ConfigurationError(f"publish_timeout must be a positive number, got {publish_timeout!r}")
+        self.publish_timeout = float(publish_timeout)
+        if on_short_window not in ("warn", "refuse"):
+            raise ConfigurationError(f"on_short_window must be 'warn' or 'refuse', got {on_short_window!r}")
+        if on_short_window == "refuse" and stream is None and not set(self._subject.fields) <= _STATIC:
+            raise ConfigurationError(
+                f"on_short_window='refuse' needs stream=...: subject {subject!r} varies per message, "
+                "so the stream whose duplicate window matters is not known at start"
+            )
+        self.on_short_window = on_short_window
+        options = dict(connect_options or {})
+        reserved = sorted(_RESERVED_OPTIONS & set(options))
+        if reserved:
+            raise ConfigurationError(f"connect_options may not set {', '.join(reserved)}: NatsPublisher does")
+        self._options = options
+        self._redactor = Redactor(self.outbox_secrets())
+        self._links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Link] = weakref.WeakKeyDictionary()
+        self._links_lock = threading.Lock()
+        self._deferred: dict[str, WindowCheck] = {}  # window checks NATS was not reachable for at start
+        self._blocked: dict[str, str] = {}  # route -> why it may not publish ("refuse", found late)
+
+    def __repr__(self) -> str:
+        hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
+        return f"<NatsPublisher {hosts} subject={self.subject!r} stream={self.stream!r}>"
+
+    # -- relay hooks --------------------------------------------------------------------
+
+    def outbox_secrets(self) -> list[str]:
+        """Passwords and tokens from the server URLs and ``connect_options``: masked wherever written."""
+        found = []
+        for url in self.servers:
+            parts = urlsplit(url)
+            for value in (parts.password, parts.username if parts.password is None else None):
+                if value:  # a lone user part is a token (nats://token@host)
+                    found += [value, unquote(value)]
+        found += [str(self._options[k]) for k in _SECRET_OPTIONS if isinstance(self._options.get(k), str)]
+        return [s for s in found if s]
+
+    async def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
+        """Compare the stream's duplicate window with the route's longest retry gap, once, at start."""
+        check = WindowCheck(route.name, longest_retry_gap, self._route_subject(route))
+        try:
+            await self._check_window(check, at_start=True)
+        except (OSError, TimeoutError, nats.errors.Error, RetryLater) as exc:
+            self._deferred[route.name] = check
+            log.warning(
+                "route %s: NATS not reachable at start (%s); duplicate window checked at the first publish",
+                route.name,
+                self._text(exc),
+                extra={"action": "nats_window_deferred", "handler": route.name},
+            )
+
+    async def outbox_shutdown(self) -> None:
+        """Close the running loop's connection (every publish was awaited to its ack: nothing to drain)."""
+        with self._links_lock:
+            link = self._links.pop(asyncio.get_running_loop(), None)
+        if link is not None and link.client is not None and not link.client.is_closed:
+            await link.client.close()
+
+    # -- delivery -----------------------------------------------------------------------
+
+    async def __call__(self, message: Message) -> dict[str, Any]:
+        subject = self._subject.render(message)
+        if _BAD_SUBJECT.search(subject):
+            raise PermanentError(f"NATS subject {subject!r} is not valid", detail={"reason": "bad_subject"})
+        env = envelope(message, source=self.source)
+        if self._deferred:
+            await self._deferred_check(message.handler)
+        blocked = self._blocked.get(message.handler)
+        if blocked is not None:
+            raise RetryLater(
+                blocked, delay=BLOCKED_RETRY, counts_as_attempt=False, detail={"reason": "window_short"}
+            )
+        client, js = await self._connection()
+        if not client.is_connected:
+            # Nothing was sent, and the outage says nothing about the message: not an attempt.
+            raise RetryLater(
+                "NATS connection is down (reconnecting); nothing sent",
+                delay=RECONNECT_WAIT,
+                counts_as_attempt=False,
+                detail={"reason": "disconnected"},
+            )
+        headers = {**env.headers, "Nats-Msg-Id": env.dedupe_id}
+        base = {"subject": subject, "msg_id": env.dedupe_id}
+        try:
+            # The request's own timeout bounds the wait for the ack (no second timer per message).
+            ack = await js.publish(
+                subject, env.body, timeout=self.publish_timeout, stream=self.stream, headers=headers
+            )
+        except nats.js.errors.NoStreamResponseError:
+            raise await self._no_stream(js, subject, base) from None
+        except TimeoutError:
+            raise RetryLater(
+                f"no JetStream ack for {subject!r} within {self.publish_timeout:g}s",
+                detail={**base, "reason": "ack_timeout"},
+            ) from None
+        except nats.js.errors.APIError as exc:
+            detail = {**base, "code": exc.code, "err_code": exc.err_code}
+            if exc.code == 400:
+                raise PermanentError(
+                    f"JetStream refused {subject!r}: {exc.description}", detail=detail
+                ) from None
+            raise RetryLater(f"JetStream error for {subject!r}: {exc.description}", detail=detail) from None
+        except nats.errors.MaxPayloadError:
+            raise PermanentError(
+                f"message is larger than the server's max_payload ({client.max_payload} bytes)",
+                detail={**base, "reason": "too_large"},
+            ) from None
+        except (nats.errors.Error, OSError) as exc:
+            raise RetryLater(
+                f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}",
+                detail={**base, "reason": "connection"},
+            ) from None
+        return {**base, "stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
+
+    async def _no_stream(self, js: JetStreamContext, subject: str, base: dict[str, Any]) -> Exception:
+        """No responder: no stream captures the subject (dead), or JetStream is not up yet (retried).
+
+        A server that has just restarted accepts connections before it has
+        recovered its streams; asking the JetStream API tells the two apart.
+        """
+        try:
+            found = await js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            wanted = f" in stream {self.stream!r}" if self.stream else ""
+            return PermanentError(
+                f"no JetStream stream captures subject {subject!r}{wanted}: create or extend the "
+                "stream, then requeue the dead messages",
+                detail={**base, "reason": "no_stream"},
+            )
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            return RetryLater(
+                f"JetStream did not answer for {subject!r} ({type(exc).__name__}); not available yet?",
+                detail={**base, "reason": "jetstream_unavailable"},
+            )
+        return RetryLater(
+            f"stream {found!r} captures {subject!r} but did not answer the publish; recovering?",
+            detail={**base, "reason": "jetstream_unavailable"},
+        )
+
+    # -- connection ---------------------------------------------------------------------
+
+    def _link(self) -> _Link:
+        loop = asyncio.get_running_loop()
+        with self._links_lock:
+            link = self._links.get(loop)
+            if link is None:
+                link = self._links[loop] = _Link()
+            return link
+
+    async def _connection(self) -> tuple[Client, JetStreamContext]:
+        """The loop's connection, opened on first use (and again if nats-py ever closed it)."""
+        link = self._link()
+        if link.client is None or link.js is None or link.client.is_closed:
+            async with link.lock:
+                if link.client is None or link.js is None or link.client.is_closed:
+                    link.client = await self._connect()
+                    link.js = link.client.jetstream(timeout=self.publish_timeout)
+        assert link.client is not None and link.js is not None
+        return link.client, link.js
+
+    async def _connect(self) -> Client:
+        client = Client()
+
+        async def disconnected() -> None:
+            if not client.is_closed:  # closing at shutdown disconnects too: nothing to report then
+                log.warning("NATS connection lost; reconnecting", extra={"action": "nats_disconnected"})
+
+        try:
+            # Reconnection never gives up once connected, so the first connect would not either:
+            # it is bounded here, and a relay started while NATS is down retries its messages.
+            async with asyncio.timeout(max(self.publish_timeout, 2.0)):
+                await client.connect(
+                    servers=self.servers,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    error_cb=self._on_error,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=self._on_reconnected,
+                    **self._connect_options(),
+                )
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            await client.close()
+            raise RetryLater(
+                f"cannot connect to NATS: {type(exc).__name__}: {self._text(exc)}; nothing sent",
+                delay=RECONNECT_WAIT,
+                counts_as_attempt=False,
+                detail={"reason": "connect"},
+            ) from None
+        return client
+
+    def _connect_options(self) -> dict[str, Any]:
+        return {"name": "sqlalchemy-outbox relay", "reconnect_time_wait": RECONNECT_WAIT, **self._options}
+
+    def _text(self, exc: BaseException) -> str:
+        try:
+            return self._redactor.text(str(exc) or type(exc).__name__)
+        except Exception:
+            return f"<unprintable {type(exc).__name__}>"
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.debug("NATS client error: %s", self._text(exc), extra={"action": "nats_error"})
+
+    async def _on_reconnected(self) -> None:
+        log.info("NATS connection re-established", extra={"action": "nats_reconnected"})
+
+    # -- duplicate window -----------------------------------------------------------------
+
+    def _route_subject(self, route: Route) -> str | None:
+        if not set(self._subject.fields) <= _STATIC:
+            return None
+        return self.subject.format(event_type=route.event_type, handler=route.name)
+
+    async def _deferred_check(self, route: str) -> None:
+        async with self._link().check_lock:  # one check; the route's other deliveries await its verdict
+            check = self._deferred.pop(route, None)
+            if check is None:
+                return
+            try:
+                await self._check_window(check, at_start=False)
+            except (OSError, TimeoutError, nats.errors.Error, RetryLater):
+                self._deferred[route] = check  # still unreachable: the publish below says so
+
+    async def _check_window(self, check: WindowCheck, *, at_start: bool) -> None:
+        if check.gap <= 0:  # max_attempts=1: the relay never retries, only a requeue does
+            return
+        _, js = await self._connection()
+        short = await check_window(js, check, stream=self.stream, subject=self.subject)
+        if short is None:
+            return
+        if self.on_short_window == "refuse":
+            if at_start:
+                raise ConfigurationError(f"route {check.route!r}: {short}")
+            self._blocked[check.route] = f"not publishing (on_short_window='refuse'): {short}"
+        log.log(
+            logging.ERROR if self.on_short_window == "refuse" else logging.WARNING,
+            "route %s: %s",
+            check.route,
+            short,
+            extra={"action": "nats_window_short", "handler": check.route, "longest_retry_gap": check.gap},
+        )
