@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
-from kafkamock import LIB, PRODUCE, MockCluster
+from kafkamock import PRODUCE, MockCluster
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,8 +29,6 @@ from outbox import Backoff, ConfigurationError, Message, Outbox, RetryLater, emi
 from outbox.integrations import kafka
 from outbox.integrations.kafka import KafkaPublisher
 from outbox.relay import Relay
-
-pytestmark = pytest.mark.skipif(LIB is None, reason="librdkafka's mock cluster API is not reachable")
 
 m = outbox.outbox_message
 a = outbox.outbox_attempt
