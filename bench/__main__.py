@@ -24,6 +24,7 @@ from .emit import emit_overhead
 from .harness import Scratch, server_version
 from .latency import wake_latency
 from .memory import peak_rss
+from .tracing import emit_tracing_overhead
 from .verify import Unverified
 
 #: The flat JSON keys the issue fixes, so runs compare across commits; extras follow them.
@@ -70,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=500, help="relay --concurrency (default: 500)")
     p.add_argument("--batch-size", type=int, default=250, help="relay --batch-size (default: 250)")
     p.add_argument("--no-sqlite", action="store_true", help="skip the SQLite runs")
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="run only the modes whose name contains TEXT (repeatable), e.g. --only tracing",
+    )
     return p
 
 
@@ -105,14 +112,17 @@ def _machine() -> dict[str, Any]:
 class Run:
     """Runs modes one by one; a mode that fails leaves its keys null and its reason in ``failures``."""
 
-    def __init__(self, settle: Callable[[], float]) -> None:
+    def __init__(self, settle: Callable[[], float], only: list[str] | None = None) -> None:
         self.result: dict[str, Any] = dict.fromkeys(KEYS)
         self.failures: dict[str, str] = {}
         self.durations: dict[str, float] = {}
         self.settled: dict[str, float] = {}
         self._settle = settle
+        self._only = [text.lower() for text in only or ()]
 
     def mode(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        if self._only and not any(text in name.lower() for text in self._only):
+            return None  # left out by --only: its figures stay null, and it is no failure
         self.settled[name] = self._settle()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         began = time.monotonic()
@@ -136,7 +146,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     sizes = QUICK if args.quick else FULL
     settings = RelaySettings(concurrency=args.concurrency, batch_size=args.batch_size)
     scratch = Scratch(args.database_url)
-    r = Run(scratch.settle)
+    r = Run(scratch.settle, args.only)
     out = r.result
     out.update(_machine())
     out.update(
@@ -159,6 +169,19 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                 emit_per_s_without=emit["rate_without"],
                 emit_per_s_installed_no_emit=emit["rate_installed"],
                 emit_per_s_with=emit["rate_with"],
+            )
+        traced = r.mode(
+            "emit with tracing (postgresql)",
+            lambda: emit_tracing_overhead(scratch.postgres("trace"), transactions=sizes.emit_transactions),
+        )
+        if traced:
+            out.update(
+                emit_tracing_ratio=traced["ratio"],
+                emit_tracing_overhead_without=traced["overhead_without"],
+                emit_tracing_overhead_with=traced["overhead_with"],
+                emit_tracing_tracer_ratio=traced["tracer_ratio"],
+                emit_tracing_inject_us=traced["inject_us"],
+                **{f"emit_tracing_per_s_{kind}": rate for kind, rate in traced["rates"].items()},
             )
         wake = r.mode(
             "wake-up latency",
@@ -277,6 +300,17 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"ratio {_fmt(ratio, '.2f')}",
             "ratio <= 1.30",
             _verdict(None if ratio is None else ratio <= 1.30),
+        )
+    )
+    tracing = out.get("emit_tracing_ratio")
+    rows.append(
+        (
+            "1b emit overhead, SDK tracer (pg)",
+            f"{_fmt(out.get('emit_tracing_overhead_without'), '.3f')} -> "
+            f"{_fmt(out.get('emit_tracing_overhead_with'), '.3f')}, ratio {_fmt(tracing, '.3f')} "
+            f"({_fmt(out.get('emit_tracing_inject_us'), '.1f')} us/emit to store the context)",
+            "ratio <= 1.05",
+            _verdict(None if tracing is None else tracing <= 1.05),
         )
     )
     rows.append(("2 drain, 1 relay", f"{_fmt(out.get('drain_per_s_1'), ',.0f')} msg/s", "", "-"))
