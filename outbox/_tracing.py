@@ -88,6 +88,8 @@ def emit_headers(headers: dict[str, str], *, baggage: bool) -> dict[str, str]:
     ``traceparent`` the caller set wins, and then nothing of the current
     context is added. Baggage is user data that would be stored in the database
     and copied to every handler, so it is left out unless ``baggage`` is True.
+    The propagator is looked up on each call (a global read): an application
+    may configure its own after the first emit.
     """
     otel = _api if _api is not _NOT_LOADED else api()
     if otel is None or not otel.get_current_span().get_span_context().is_valid:

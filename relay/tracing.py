@@ -160,14 +160,14 @@ class RelayTracing:
         span.end()
 
     def process(self, queue: str, row: Any) -> _Attempt | _Untraced:
-        """The attempt's span as a context manager: current inside, ended on exit."""
+        """The attempt's span as a context manager: current inside, ended on exit.
+
+        In link mode the stored context is only read once the span is known to
+        record: with the API but no SDK, an attempt costs one no-op span.
+        """
         otel, tracer = self._otel, self._tracer
         if otel is None or tracer is None:
             return _UNTRACED
-        stored = extract(row.headers or {})
-        emitted = otel.get_current_span(stored).get_span_context() if stored is not None else None
-        if emitted is not None and not emitted.is_valid:
-            emitted = None
         attributes: dict[str, Any] = {
             "messaging.system": self._systems.get(row.handler, SYSTEM),
             "messaging.operation.type": "process",
@@ -181,14 +181,16 @@ class RelayTracing:
         }
         if row.group_key is not None:
             attributes["messaging.message.conversation_id"] = row.group_key
-        child = self._child and emitted is not None
+        # A stored context without a valid span makes the SDK start a root, as in link mode.
+        parent = (extract(row.headers) if self._child and row.headers else None) or otel.Context()
         span = tracer.start_span(
-            f"process {row.handler}",
-            context=stored if child else otel.Context(),
-            kind=otel.SpanKind.CONSUMER,
-            attributes=attributes,
-            links=[otel.Link(emitted)] if emitted is not None and not child else None,
+            f"process {row.handler}", context=parent, kind=otel.SpanKind.CONSUMER, attributes=attributes
         )
+        if not self._child and row.headers and span.is_recording():
+            stored = extract(row.headers)
+            emitted = otel.get_current_span(stored).get_span_context() if stored is not None else None
+            if emitted is not None and emitted.is_valid:
+                span.add_link(emitted)
         if not span.is_recording() and not span.get_span_context().is_valid:
             return _UNTRACED  # no SDK and no context to pass on: nothing to make current
         return _Attempt(otel, span)
