@@ -25,6 +25,7 @@ from .emit import emit_overhead
 from .harness import Scratch, server_version
 from .latency import wake_latency
 from .memory import peak_rss
+from .tracing import emit_tracing_overhead
 from .verify import Unverified
 
 #: The flat JSON keys the issue fixes, so runs compare across commits; extras follow them.
@@ -62,7 +63,7 @@ FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3, 1_000_0
 QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 50_000, 20, 2000)
 
 #: What ``--only`` accepts, in the order the modes run.
-MODES = ("emit", "latency", "drain", "ceiling", "failmix", "memory", "sqlite", "dashboard", "nats")
+MODES = ("emit", "tracing", "latency", "drain", "ceiling", "failmix", "memory", "sqlite", "dashboard", "nats")
 #: The dashboard's timed pages: JSON key part, table label.
 DASHBOARD_PAGES = (
     ("overview", "overview /"),
@@ -203,6 +204,22 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     emit_per_s_without=emit["rate_without"],
                     emit_per_s_installed_no_emit=emit["rate_installed"],
                     emit_per_s_with=emit["rate_with"],
+                )
+        if want("tracing"):
+            traced = r.mode(
+                "emit with tracing (postgresql)",
+                lambda: emit_tracing_overhead(
+                    scratch.postgres("trace"), transactions=sizes.emit_transactions
+                ),
+            )
+            if traced:
+                out.update(
+                    emit_tracing_ratio=traced["ratio"],
+                    emit_tracing_overhead_without=traced["overhead_without"],
+                    emit_tracing_overhead_with=traced["overhead_with"],
+                    emit_tracing_tracer_ratio=traced["tracer_ratio"],
+                    emit_tracing_inject_us=traced["inject_us"],
+                    **{f"emit_tracing_per_s_{kind}": rate for kind, rate in traced["rates"].items()},
                 )
         if want("latency"):
             wake = r.mode(
@@ -381,6 +398,17 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"ratio {_fmt(ratio, '.2f')}",
             "ratio <= 1.30",
             _verdict(None if ratio is None else ratio <= 1.30),
+        )
+    )
+    tracing = out.get("emit_tracing_ratio")
+    rows.append(
+        (
+            "1b emit overhead, SDK tracer (pg)",
+            f"{_fmt(out.get('emit_tracing_overhead_without'), '.3f')} -> "
+            f"{_fmt(out.get('emit_tracing_overhead_with'), '.3f')}, ratio {_fmt(tracing, '.3f')} "
+            f"({_fmt(out.get('emit_tracing_inject_us'), '.1f')} us/emit to store the context)",
+            "ratio <= 1.05",
+            _verdict(None if tracing is None else tracing <= 1.05),
         )
     )
     rows.append(("2 drain, 1 relay", f"{_fmt(out.get('drain_per_s_1'), ',.0f')} msg/s", "", "-"))

@@ -51,6 +51,7 @@ import httpx
 from outbox import ConfigurationError, Message, PayloadError, PermanentError, RetryLater
 from outbox import __version__ as _outbox_version
 from outbox._redact import _SECRET_KEY
+from outbox._tracing import TRACE_HEADERS, current_headers
 
 from ._breaker import CircuitBreaker, CircuitOpen
 from ._ratelimit import RateLimited, RateLimiters
@@ -250,6 +251,9 @@ class WebhookHandler:
     replaces the default certificate verification (certifi's CAs), e.g. to
     trust a private CA; certificates are always checked against the URL's
     host name, even though the connection goes to the checked IP.
+    ``send_trace_context=True`` adds the delivery's ``traceparent`` (and
+    ``tracestate``) to each request, so a receiver that traces can join the
+    trace; off by default, because it tells the receiver your trace ids.
     """
 
     def __init__(
@@ -265,6 +269,7 @@ class WebhookHandler:
         rate_limit: float | None = None,
         ssl_context: ssl.SSLContext | None = None,
         headers_to_payload_urls: bool = False,
+        send_trace_context: bool = False,
     ) -> None:
         if secret is None:
             raise ConfigurationError(
@@ -294,6 +299,11 @@ class WebhookHandler:
         if url is not None and headers_to_payload_urls:
             raise ConfigurationError("headers_to_payload_urls=True applies only with url=None")
         self.headers_to_payload_urls = headers_to_payload_urls
+        if not isinstance(send_trace_context, bool):
+            raise ConfigurationError(f"send_trace_context must be True or False, got {send_trace_context!r}")
+        self.send_trace_context = send_trace_context
+        # A traceparent given in headers= is sent as given, never beside the delivery's own.
+        self._send_trace = send_trace_context and not any(n.lower() in TRACE_HEADERS for n in self.headers)
         self.url = url
         self._target: _Target | None = None
         if url is not None:
@@ -440,6 +450,8 @@ class WebhookHandler:
         """POST once; the status, headers and an excerpt of the body, or a retryable/permanent error."""
         timestamp = int(time.time())
         headers = {
+            # Opt-in: trace and span ids tell the receiver which of our traces sent it (docs/tracing.md).
+            **(current_headers() if self._send_trace else {}),
             **self.headers,
             "content-type": "application/json",
             "host": target.authority,

@@ -15,6 +15,7 @@ from ._install import outbox_for, write_late
 from ._payload import check_headers, route_document, serialise_payload, text_problem
 from ._pending import PendingEvent, events_of, innermost
 from ._routes import check_name, check_priority
+from ._tracing import emit_headers
 from ._write import AGGREGATE_LIMIT, aggregate_identity
 
 if TYPE_CHECKING:
@@ -141,6 +142,8 @@ def emit(
     if priority is not None:
         check_priority(priority, "priority", InvalidEmitOption)
     header_map = check_headers(headers)
+    if outbox.trace_context:  # the emitting trace, stored with the event (a no-op without [otel])
+        header_map = emit_headers(header_map, baggage=outbox.trace_baggage)
     document = serialise_payload(payload, outbox.payload_limit)
 
     event_id = uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._payload import DEFAULT_PAYLOAD_LIMIT
 from ._routes import Route, Transform, check_name, check_priority, handler_name
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["Outbox"]
 
@@ -26,6 +29,10 @@ class Outbox:
     Routes are what make an emit valid: an event type with no route is refused at
     emit time. The relay process imports the same object (``--app module:ob``) and
     claims only the routes it holds.
+
+    ``trace_context``, ``trace_baggage``, ``trace_parent`` and
+    ``tracer_provider`` shape the OpenTelemetry traces from ``emit()`` to each
+    delivery (docs/tracing.md); without the ``[otel]`` extra they do nothing.
     """
 
     def __init__(
@@ -38,6 +45,10 @@ class Outbox:
         default_priority: int = DEFAULT_PRIORITY,
         default_backoff: Backoff | None = None,
         pipeline_writes: bool = True,
+        trace_context: bool = True,
+        trace_baggage: bool = False,
+        trace_parent: Literal["link", "child"] = "link",
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         if isinstance(payload_limit, bool) or not isinstance(payload_limit, int) or payload_limit < 1:
             raise ConfigurationError(
@@ -54,6 +65,20 @@ class Outbox:
         #: On psycopg, send the commit's INSERT with the COMMIT (see ``_pipeline``).
         #: False keeps it an ordinary statement that SQLAlchemy's events see.
         self.pipeline_writes = pipeline_writes
+        # Tracing (docs/tracing.md); every one of these is inert without the [otel] extra.
+        for flag, value in (("trace_context", trace_context), ("trace_baggage", trace_baggage)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{flag} must be True or False, got {value!r}")
+        if trace_parent not in ("link", "child"):
+            raise ConfigurationError(f"trace_parent must be 'link' or 'child', got {trace_parent!r}")
+        #: Store the emitting request's trace context in each event's headers.
+        self.trace_context = trace_context
+        #: Store its baggage too: user data, written to the database and seen by every handler.
+        self.trace_baggage = trace_baggage
+        #: The relay's span for an attempt links to the emitting span, or is its child.
+        self.trace_parent: Literal["link", "child"] = trace_parent
+        #: Where the relay's spans go; None: the global provider, looked up when the relay starts.
+        self.tracer_provider = tracer_provider
         self._routes: dict[str, Route] = {}
         self._by_event: dict[str, tuple[Route, ...]] = {}
 

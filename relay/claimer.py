@@ -126,11 +126,13 @@ class Claimer:
                 self._saturated = True
                 continue
             limit = min(self._batch_size, free)
+            began = rt.tracing.clock()
             if self._conn is not None:
                 rows = await rt.store.claim_on(self._conn, queue, rt.handlers, limit)
             else:
                 rows = await rt.db(rt.store.claim, queue, rt.handlers, limit)
             if rows:
+                rt.tracing.claimed(queue, len(rows), began)
                 claimed += len(rows)
                 self._dispatch(queue, rows)
             if len(rows) == limit:
@@ -170,9 +172,11 @@ class Claimer:
             self._unstarted.pop((row.id, row.attempts), None)
             route = rt.routes[row.handler]
             try:
-                message, completion = await attempt(
-                    route, row, executor=self._handler_pool, redactor=rt.redactor, rng=rt.rng
-                )
+                with rt.tracing.process(queue, row) as traced:  # current while the handler runs
+                    message, completion = await attempt(
+                        route, row, executor=self._handler_pool, redactor=rt.redactor, rng=rt.rng
+                    )
+                    traced.outcome(completion)
             except asyncio.CancelledError:
                 message, completion = _cut_off(row, "Cancelled", _CANCELLED)
             except Exception as exc:  # a relay bug must not leave a started attempt without its outcome

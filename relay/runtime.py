@@ -24,6 +24,7 @@ from outbox._redact import Redactor
 
 from .metrics import RelayMetrics
 from .store import Store
+from .tracing import RelayTracing
 
 if TYPE_CHECKING:
     from .worker import Relay
@@ -121,6 +122,7 @@ class Runtime:
         self.rng = rng
         self.metrics = metrics
         self.poll_interval = poll_interval
+        self.tracing = RelayTracing(outbox, routes)
         self.loop = asyncio.get_running_loop()
         self.wake = asyncio.Event()
         self.force = asyncio.Event()
