@@ -483,3 +483,11 @@ def test_the_pages_forms_post_with_their_real_origin(page, dashboard, seeded):
     page.click("form[action$='/discard'] button")
     expect(page.locator("h1")).to_contain_text("discarded")
     assert sent and sent[0].get("origin") == dash.base
+
+
+def test_a_long_list_fetches_its_count_after_the_page(page, dashboard, seeded, console):
+    dash = dashboard(page_size=2)
+    page.goto(dash.url("/messages"))
+    expect(page.locator("[data-count=matching]")).to_have_text("7 matching.")
+    assert len(row_ids(page)) == 2
+    assert console == []

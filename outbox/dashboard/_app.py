@@ -16,7 +16,7 @@ from starlette.staticfiles import StaticFiles
 from .._urls import sync_engine
 from . import _actions, _live, _pages
 from ._format import FILTERS
-from ._overview import finished_counts
+from ._overview import finished_counts, unfinished_counts
 from ._security import Auth, SecurityHeaders
 from ._settings import Settings, render
 
@@ -60,6 +60,7 @@ def create_app(
         if seconds <= 0:
             raise ValueError(f"{name} must be positive, got {seconds}")
     sync = sync_engine(engine)
+    unfinished = unfinished_counts(sync, max_age=1.0)
     templates = Environment(
         loader=PackageLoader("outbox.dashboard", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
@@ -79,8 +80,9 @@ def create_app(
         bulk_cap=bulk_cap,
         poll_interval=poll_interval,
         templates=templates,
-        feed=_live.ChangeFeed(sync, poll_interval),
+        feed=_live.ChangeFeed(sync, poll_interval, on_change=unfinished.refresh),
         finished=finished_counts(sync, finished_max_age),
+        unfinished=unfinished,
     )
     routes = [
         *_pages.ROUTES,

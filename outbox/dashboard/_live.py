@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -34,8 +34,11 @@ KEEPALIVE = 15.0
 
 
 class ChangeFeed:
-    def __init__(self, engine: Engine, poll_interval: float) -> None:
+    def __init__(
+        self, engine: Engine, poll_interval: float, *, on_change: Callable[[], None] | None = None
+    ) -> None:
         self._engine = engine
+        self._on_change = on_change
         self._poll = poll_interval
         self._version = 0
         self._changed = asyncio.Condition()
@@ -85,6 +88,7 @@ class ChangeFeed:
                 current = await self._marker()
                 if current is not None and current != marker:
                     marker = current
+                    await self._refresh_figures()
                     async with self._changed:
                         self._version += 1
                         self._changed.notify_all()
@@ -93,6 +97,17 @@ class ChangeFeed:
                 listener.cancel()
                 with contextlib.suppress(BaseException):
                     await listener
+
+    async def _refresh_figures(self) -> None:
+        """Before the pages hear of a change, so the reload they make finds the new figures."""
+        if self._on_change is None:
+            return
+        try:
+            await run_in_threadpool(self._on_change)
+        except Exception as exc:  # the pages still reload; they read for themselves
+            log.warning(
+                "dashboard change feed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            )
 
     async def _marker(self) -> tuple[Any, ...] | None:
         try:

@@ -1,12 +1,13 @@
 """The overview's figures, read so that the page stays fast on a table of millions.
 
-Everything an operator acts on is read per request: pending, running and
-dead messages in one pass (an index scan over a small fraction of the table),
-the last hour of history, pauses and relays. Finished messages (delivered, discarded) are most
-of a mature table, and counting them means reading all of it, about 0.2 s per
-million rows; those counts are refreshed in a background thread at most every
-``finished_max_age`` seconds and shown with their age. The first overview after
-start waits for them once.
+Pending, running and dead messages are counted in one pass (an index scan
+over a small fraction of the table) at most once a second however many pages
+are open, and again as soon as the live feed sees a change. The last hour of
+history, pauses and relays are read per request. Finished messages
+(delivered, discarded) are most of a mature table, and counting them means
+reading all of it, about 0.2 s per million rows; those counts are refreshed
+in a background thread at most every ``finished_max_age`` seconds and shown
+with their age. The first overview after start waits for both once.
 """
 
 from __future__ import annotations
@@ -23,51 +24,76 @@ from sqlalchemy.engine import Engine
 from .. import ops
 from .._tables import MESSAGE_STATUSES
 
-__all__ = ["FINISHED", "UNFINISHED", "FinishedCounts", "overview_data"]
+__all__ = ["FINISHED", "UNFINISHED", "Cached", "finished_counts", "overview_data", "unfinished_counts"]
 
 FINISHED = ("delivered", "discarded")
 UNFINISHED = tuple(s for s in MESSAGE_STATUSES if s not in FINISHED)
 CHART_HEIGHT = 120
 
 
-class FinishedCounts:
-    """The finished messages per queue × handler × status, refreshed off the request path."""
+class Cached:
+    """One read shared by every page: what N open pages cost the database is one reader's load.
 
-    def __init__(self, read: Callable[[], list[ops.QueueHandlerCount]], max_age: float) -> None:
+    ``get`` returns the value read at most ``max_age`` seconds ago, reading it
+    when older. With ``in_background`` a stale value is returned at once and
+    read again in a thread; only the very first read waits. ``refresh`` reads
+    now (the live feed calls it when something changed, before telling the
+    pages, so their reload finds fresh figures).
+    """
+
+    def __init__(
+        self, read: Callable[[], list[ops.QueueHandlerCount]], max_age: float, *, in_background: bool
+    ) -> None:
         self._read = read
         self._max_age = max_age
-        self._lock = threading.Lock()
+        self._in_background = in_background
+        self._lock = threading.Lock()  # guards the fields
+        self._reading = threading.Lock()  # one read at a time
         self._value: list[ops.QueueHandlerCount] | None = None
         self._read_at = 0.0
         self._refreshing = False
 
     def get(self) -> tuple[list[ops.QueueHandlerCount], float]:
-        """The counts and their age in seconds; blocks only when there are none yet."""
+        """The value and its age in seconds."""
         with self._lock:
             value, read_at = self._value, self._read_at
-            stale = value is not None and time.monotonic() - read_at > self._max_age
-            if stale and not self._refreshing:
+            stale = value is None or time.monotonic() - read_at > self._max_age
+            background = stale and value is not None and self._in_background
+            if background and not self._refreshing:
                 self._refreshing = True
-                threading.Thread(target=self._refresh, name="outbox-dashboard-counts", daemon=True).start()
-        if value is None:
-            self._refresh()
+                threading.Thread(target=self._background, name="outbox-dashboard-counts", daemon=True).start()
+        if stale and not background:
+            self.refresh(newer_than=read_at)
             with self._lock:
                 value, read_at = self._value, self._read_at
         assert value is not None
         return value, time.monotonic() - read_at
 
-    def _refresh(self) -> None:
-        try:
+    def refresh(self, newer_than: float | None = None) -> None:
+        """Read now; when another reader finished a read after ``newer_than`` meanwhile, take its value."""
+        with self._reading:
+            if newer_than is not None and self._read_at > newer_than:
+                return
             value = self._read()
+            with self._lock:
+                self._value, self._read_at = value, time.monotonic()
+
+    def _background(self) -> None:
+        try:
+            self.refresh()
         finally:
             with self._lock:
                 self._refreshing = False
-        with self._lock:
-            self._value, self._read_at = value, time.monotonic()
 
 
-def finished_counts(engine: Engine, max_age: float) -> FinishedCounts:
-    return FinishedCounts(lambda: ops.breakdown(engine, statuses=FINISHED), max_age)
+def finished_counts(engine: Engine, max_age: float) -> Cached:
+    """Delivered and discarded: a full count, so read in the background at most every ``max_age``."""
+    return Cached(lambda: ops.breakdown(engine, statuses=FINISHED), max_age, in_background=True)
+
+
+def unfinished_counts(engine: Engine, max_age: float) -> Cached:
+    """Pending, running, dead: at most ``max_age`` old when a page reads them, and fresh after a change."""
+    return Cached(lambda: ops.breakdown(engine, statuses=UNFINISHED), max_age, in_background=False)
 
 
 @dataclass(frozen=True)
@@ -103,9 +129,9 @@ class Summary:
     paused: list[ops.Pause]
 
 
-def overview_data(engine: Engine, finished: FinishedCounts) -> dict[str, Any]:
-    """One pass over the unfinished messages, the last hour of history, pauses and relays; no full count."""
-    live = ops.breakdown(engine, statuses=UNFINISHED)
+def overview_data(engine: Engine, unfinished: Cached, finished: Cached) -> dict[str, Any]:
+    """The unfinished and finished counts as cached, the last hour of history, pauses and relays."""
+    live, _ = unfinished.get()
     done, age = finished.get()
     now = datetime.now(UTC)
     queues: dict[str, dict[str, dict[str, int]]] = {}

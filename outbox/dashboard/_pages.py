@@ -14,7 +14,7 @@ from starlette.routing import Route
 from .. import ops
 from .._tables import MESSAGE_STATUSES
 from ._forms import FILTER_FIELDS, BadInput, ListQuery, message_id, parse_list_query
-from ._overview import UNFINISHED, FinishedCounts, overview_data
+from ._overview import Cached, overview_data
 from ._settings import render, settings_of
 
 __all__ = ["ROUTES", "allowed_to_read", "readable"]
@@ -54,7 +54,7 @@ def readable(endpoint: Endpoint) -> Endpoint:
 @readable
 async def overview(request: Request) -> Response:
     settings = settings_of(request)
-    data = await run_in_threadpool(overview_data, settings.engine, settings.finished)
+    data = await run_in_threadpool(overview_data, settings.engine, settings.unfinished, settings.finished)
     return render(request, "overview.html", page="overview", live=True, **data)
 
 
@@ -62,13 +62,28 @@ def _listing(engine: Any, query: ListQuery, cap: int) -> dict[str, Any]:
     rows = ops.list_messages(engine, query.where, limit=query.limit + 1, before_id=query.before_id)
     more = len(rows) > query.limit
     rows = rows[: query.limit]
-    if query.before_id is None and not more and len(rows) <= cap:
-        # The first page holds every match: counting them again would repeat the list's
-        # scan, which for a filter no index serves (a payload condition) reads the table twice.
-        count = ops.CappedCount(count=len(rows), capped=False)
-    else:
-        count = ops.count_messages(engine, query.where, cap=cap)
+    # The first page holding every match gives the count for free. Otherwise counting can
+    # read far more rows than the page shows (a filter that matches sparsely, or one no
+    # index serves), so the page comes at once and the count is its own request
+    # (``/messages/count``), which the page's script fetches and a link offers without it.
+    exact = query.before_id is None and not more and len(rows) <= cap
+    count = ops.CappedCount(count=len(rows), capped=False) if exact else None
     return {"rows": rows, "more": more, "count": count}
+
+
+@readable
+async def count(request: Request) -> Response:
+    """How many messages a list's filter matches, up to the cap: a page of its own, fetched by the list."""
+    settings = settings_of(request)
+    page = "dead" if request.url.path.rstrip("/").endswith("/dead/count") else "messages"
+    status = "dead" if page == "dead" else None
+    query = parse_list_query(request.query_params, page_size=settings.page_size, status=status)
+    found = await run_in_threadpool(
+        lambda: ops.count_messages(settings.engine, query.where, cap=settings.count_cap)
+    )
+    return render(
+        request, "count.html", page=page, count=found, cap=settings.count_cap, list_url=query.url(f"/{page}")
+    )
 
 
 async def _list_page(request: Request, template: str, page: str, status: str | None) -> HTMLResponse:
@@ -88,6 +103,7 @@ async def _list_page(request: Request, template: str, page: str, status: str | N
         statuses=MESSAGE_STATUSES,
         next_url=next_url,
         first_url=query.url(path, before_id=None) if query.before_id else None,
+        count_url=query.url(f"{path}/count", before_id=None),
         self_url=query.url(path),
         cap=settings.count_cap,
         bulk_cap=settings.bulk_cap,
@@ -121,8 +137,8 @@ async def message(request: Request) -> Response:
     return render(request, "message.html", page="messages", msg=msg, trace=trace, **data)
 
 
-def _queues_data(engine: Any, finished: FinishedCounts) -> dict[str, Any]:
-    cells = ops.breakdown(engine, statuses=UNFINISHED) + finished.get()[0]
+def _queues_data(engine: Any, unfinished: Cached, finished: Cached) -> dict[str, Any]:
+    cells = unfinished.get()[0] + finished.get()[0]
     queues: dict[str, dict[str, int]] = {}
     handlers: dict[str, dict[str, int]] = {}
     for cell in cells:
@@ -157,7 +173,7 @@ def _queues_data(engine: Any, finished: FinishedCounts) -> dict[str, Any]:
 @readable
 async def queues(request: Request) -> Response:
     settings = settings_of(request)
-    data = await run_in_threadpool(_queues_data, settings.engine, settings.finished)
+    data = await run_in_threadpool(_queues_data, settings.engine, settings.unfinished, settings.finished)
     return render(request, "queues.html", page="queues", live=True, statuses=MESSAGE_STATUSES, **data)
 
 
@@ -179,6 +195,8 @@ async def report(request: Request) -> Response:
 ROUTES = [
     Route("/", overview, name="overview"),
     Route("/messages", messages, name="messages"),
+    Route("/messages/count", count, name="messages_count"),
+    Route("/dead/count", count, name="dead_count"),
     Route("/messages/{id}", message, name="message"),
     Route("/dead", dead_letters, name="dead"),
     Route("/queues", queues, name="queues"),

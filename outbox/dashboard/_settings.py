@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from ._live import ChangeFeed
-from ._overview import FinishedCounts
+from ._overview import Cached
 from ._security import Action, Auth, basic_user
 
 __all__ = ["Settings", "render", "settings_of"]
@@ -33,7 +33,8 @@ class Settings:
     poll_interval: float
     templates: Environment = field(repr=False)
     feed: ChangeFeed = field(repr=False)
-    finished: FinishedCounts = field(repr=False)
+    finished: Cached = field(repr=False)
+    unfinished: Cached = field(repr=False)
 
     async def allowed(self, request: Request, action: Action) -> bool:
         if action != "read" and not self.allow_actions:

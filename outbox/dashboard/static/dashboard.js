@@ -34,6 +34,25 @@
     events.addEventListener("error", function () { if (state) { state.classList.add("stale"); } });
   }
 
+  // A list's count is its own request (it may read many rows): fetch it after the page.
+  function fillCounts() {
+    document.querySelectorAll("[data-count-src]").forEach(function (slot) {
+      fetch(slot.getAttribute("data-count-src"), { credentials: "same-origin" })
+        .then(function (response) { return response.ok ? response.text() : Promise.reject(response.status); })
+        .then(function (html) {
+          var found = new DOMParser().parseFromString(html, "text/html").querySelector("[data-count=matching]");
+          if (found) {
+            slot.textContent = found.textContent;
+            slot.removeAttribute("data-count-src");
+            slot.setAttribute("data-count", "matching");
+          }
+        })
+        .catch(function () { /* the link stays */ });
+    });
+  }
+  fillCounts();
+  document.addEventListener("outbox:refreshed", fillCounts);
+
   // A bulk action with "selected" scope needs a selection: say so before a round trip.
   var bulk = document.getElementById("bulk");
   if (bulk) {
