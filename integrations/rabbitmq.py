@@ -80,7 +80,8 @@ def _positive(what: str, value: object) -> float:
 class _Link:
     """The connection, channel and exchange one event loop publishes through, opened on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, close_timeout: float) -> None:
+        self.close_timeout = close_timeout
         self.lock = asyncio.Lock()
         self.connection: AbstractConnection | None = None
         self.channel: AbstractChannel | None = None
@@ -100,12 +101,8 @@ class _Link:
         if connection is not None and connection is not self.connection:
             return
         old, self.connection, self.channel, self.exchange = self.connection, None, None, None
-        if old is not None and not old.is_closed:
-            try:
-                async with asyncio.timeout(_CLOSE_TIMEOUT):
-                    await old.close()
-            except Exception:  # the broker is gone or blocked: nothing more to release
-                pass
+        if old is not None:
+            await _close_quietly(old, self.close_timeout)
 
 
 class RabbitMQPublisher:
@@ -253,7 +250,7 @@ class RabbitMQPublisher:
         with self._links_lock:
             link = self._links.get(loop)
             if link is None:
-                link = self._links[loop] = _Link()
+                link = self._links[loop] = _Link(min(self.publish_timeout, _CLOSE_TIMEOUT))
             return link
 
     async def _open(self, link: _Link) -> tuple[AbstractExchange, AbstractConnection]:
@@ -291,7 +288,7 @@ class RabbitMQPublisher:
             else:
                 exchange = channel.default_exchange
         except BaseException:
-            await _close_quietly(connection)
+            await _close_quietly(connection, link.close_timeout)
             raise
         link.connection, link.channel, link.exchange = connection, channel, exchange
 
@@ -300,9 +297,12 @@ class _ExchangeMissing(Exception):
     pass
 
 
-async def _close_quietly(connection: AbstractConnection) -> None:
+async def _close_quietly(connection: AbstractConnection, timeout: float) -> None:
+    """Close, waiting no longer than ``timeout``: a blocked broker may never answer the close."""
+    if connection.is_closed:
+        return
     try:
-        async with asyncio.timeout(_CLOSE_TIMEOUT):
+        async with asyncio.timeout(timeout):
             await connection.close()
-    except Exception:
+    except Exception:  # gone or blocked: nothing more to release
         pass
