@@ -54,6 +54,9 @@ class Sizes:
     ceiling_runs: int
 
 
+#: ``--only NAME``: the mode it runs.
+ONLY = {"rabbitmq": "rabbitmq publish"}
+
 FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3)
 QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1)
 
@@ -70,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=500, help="relay --concurrency (default: 500)")
     p.add_argument("--batch-size", type=int, default=250, help="relay --batch-size (default: 250)")
     p.add_argument("--no-sqlite", action="store_true", help="skip the SQLite runs")
+    p.add_argument(
+        "--rabbitmq-url",
+        default=os.environ.get("OUTBOX_BENCH_RABBITMQ_URL"),
+        help="an AMQP URL: adds the RabbitMQ mode (needs the rabbitmq extra)",
+    )
+    p.add_argument("--only", choices=sorted(ONLY), help="run this mode alone")
     return p
 
 
@@ -105,14 +114,17 @@ def _machine() -> dict[str, Any]:
 class Run:
     """Runs modes one by one; a mode that fails leaves its keys null and its reason in ``failures``."""
 
-    def __init__(self, settle: Callable[[], float]) -> None:
+    def __init__(self, settle: Callable[[], float], only: str | None = None) -> None:
         self.result: dict[str, Any] = dict.fromkeys(KEYS)
         self.failures: dict[str, str] = {}
         self.durations: dict[str, float] = {}
         self.settled: dict[str, float] = {}
         self._settle = settle
+        self._only = only
 
     def mode(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        if self._only is not None and name != self._only:
+            return None
         self.settled[name] = self._settle()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         began = time.monotonic()
@@ -136,7 +148,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     sizes = QUICK if args.quick else FULL
     settings = RelaySettings(concurrency=args.concurrency, batch_size=args.batch_size)
     scratch = Scratch(args.database_url)
-    r = Run(scratch.settle)
+    r = Run(scratch.settle, None if args.only is None else ONLY[args.only])
     out = r.result
     out.update(_machine())
     out.update(
@@ -245,6 +257,22 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             )
             if lite_drain:
                 out["sqlite_drain_per_s_1"] = lite_drain["per_s"]
+        if args.rabbitmq_url:
+            from .rabbitmq import rabbitmq_publish  # needs the rabbitmq extra, unlike every other mode
+
+            rabbit = r.mode(
+                "rabbitmq publish",
+                lambda: rabbitmq_publish(
+                    scratch, broker=args.rabbitmq_url, count=sizes.drain, settings=settings
+                ),
+            )
+            if rabbit:
+                out.update(
+                    rabbitmq_direct_per_s=rabbit["direct_per_s"],
+                    rabbitmq_outbox_per_s=rabbit["outbox_per_s"],
+                    rabbitmq_ratio=rabbit["ratio"],
+                    rabbitmq_window=rabbit["window"],
+                )
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
@@ -341,6 +369,17 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         rows.append(
             ("2 drain, 1 relay (sqlite)", f"{_fmt(out.get('sqlite_drain_per_s_1'), ',.0f')} msg/s", "", "-")
         )
+    if "rabbitmq_ratio" in out or "rabbitmq_outbox_per_s" in out:
+        ratio = out.get("rabbitmq_ratio")
+        rows.append(
+            (
+                "7 rabbitmq: outbox / direct",
+                f"{_fmt(out.get('rabbitmq_outbox_per_s'), ',.0f')} / "
+                f"{_fmt(out.get('rabbitmq_direct_per_s'), ',.0f')} msg/s, ratio {_fmt(ratio, '.2f')}",
+                "ratio >= 0.70",
+                _verdict(None if ratio is None else ratio >= 0.70),
+            )
+        )
     return rows
 
 
@@ -357,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.database_url:
         parser.error("--database-url is required (or set OUTBOX_BENCH_DATABASE_URL)")
+    if args.only == "rabbitmq" and not args.rabbitmq_url:
+        parser.error("--only rabbitmq needs --rabbitmq-url (or OUTBOX_BENCH_RABBITMQ_URL)")
     began = time.monotonic()
     out, failures = run(args)
     out["bench_seconds"] = round(time.monotonic() - began, 1)
