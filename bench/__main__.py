@@ -271,6 +271,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     rabbitmq_direct_per_s=rabbit["direct_per_s"],
                     rabbitmq_outbox_per_s=rabbit["outbox_per_s"],
                     rabbitmq_ratio=rabbit["ratio"],
+                    rabbitmq_direct_runs_per_s=", ".join(f"{v:.0f}" for v in rabbit["direct_runs_per_s"]),
                     rabbitmq_window=rabbit["window"],
                 )
     finally:

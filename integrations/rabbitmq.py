@@ -14,15 +14,14 @@ A message counts as delivered only once the broker has confirmed it
 (publisher confirms) and routed it to at least one queue (``mandatory``):
 an ack without a queue would be a silent loss.
 
-=====================================  ===================================================
-confirmed (``basic.ack``)              delivered; the detail records exchange, routing key
-returned unroutable (``basic.return``) dead at once, ``unroutable: ...``
-refused (``basic.nack``), e.g. a full   retried
-queue with ``x-overflow: reject-publish``
-no confirm within ``publish_timeout``  retried (the broker may still accept it: a duplicate)
-connection or channel lost             retried; the next publish reconnects
-exchange missing (not declared)        retried, the reason recorded
-=====================================  ===================================================
+======================================  ===================================================
+confirmed (``basic.ack``)               delivered; the detail records exchange, routing key
+returned unroutable (``basic.return``)  dead at once, ``unroutable: ...``
+refused (``basic.nack``)                retried (a full queue with ``x-overflow: reject-publish``)
+no confirm within ``publish_timeout``   retried (the broker may still accept it: a duplicate)
+connection or channel lost              retried; the next publish reconnects
+exchange missing (not declared)         retried, the reason recorded
+======================================  ===================================================
 """
 
 from __future__ import annotations
@@ -207,7 +206,7 @@ class RabbitMQPublisher:
             correlation_id=None if self.correlation_id is None else self.correlation_id.render(message),
             type=message.event_type,
         )
-        detail: dict[str, Any] = {"exchange": self.exchange, "routing_key": routing_key, "ce_id": env.id}
+        detail: dict[str, Any] = {"exchange": self.exchange, "routing_key": routing_key}
         link = self._link()
         connection: AbstractConnection | None = None
         try:
