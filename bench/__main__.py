@@ -63,7 +63,19 @@ FULL = Sizes(5000, 20000, 20.0, 15.0, (10_000, 100_000), 2000, 20000, 3, 1_000_0
 QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 50_000, 20, 2000)
 
 #: What ``--only`` accepts, in the order the modes run.
-MODES = ("emit", "tracing", "latency", "drain", "ceiling", "failmix", "memory", "sqlite", "dashboard", "nats")
+MODES = (
+    "emit",
+    "tracing",
+    "latency",
+    "drain",
+    "ceiling",
+    "failmix",
+    "memory",
+    "sqlite",
+    "dashboard",
+    "nats",
+    "rabbitmq",
+)
 #: The dashboard's timed pages: JSON key part, table label.
 DASHBOARD_PAGES = (
     ("overview", "overview /"),
@@ -109,6 +121,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a NATS server with JetStream for the nats mode (default: nats://127.0.0.1:4222)",
     )
     p.add_argument("--no-nats", action="store_true", help="skip the nats mode")
+    p.add_argument(
+        "--rabbitmq-url",
+        default=os.environ.get("OUTBOX_BENCH_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+        help="a RabbitMQ for the rabbitmq mode (default: amqp://guest:guest@127.0.0.1:5672/)",
+    )
+    p.add_argument("--no-rabbitmq", action="store_true", help="skip the rabbitmq mode")
     return p
 
 
@@ -332,6 +350,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                 _dashboard_figures(out, board, args.explain)
         if want("nats") and not args.no_nats:
             _nats_mode(r, args, scratch, sizes, settings)
+        if want("rabbitmq") and not args.no_rabbitmq:
+            _rabbitmq_mode(r, args, scratch, sizes, settings)
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
@@ -356,6 +376,27 @@ def _nats_mode(
             nats_raw_per_s=figures["raw_per_s"],
             nats_outbox_per_s=figures["outbox_per_s"],
             nats_ratio=figures["ratio"],
+        )
+
+
+def _rabbitmq_mode(
+    r: Run, args: argparse.Namespace, scratch: Scratch, sizes: Sizes, settings: RelaySettings
+) -> None:
+    from .rabbitmq import rabbitmq_publish  # aio-pika only when this mode runs
+
+    out = r.result
+    rabbit = r.mode(
+        "rabbitmq publish",
+        lambda: rabbitmq_publish(scratch, broker=args.rabbitmq_url, count=sizes.broker, settings=settings),
+    )
+    out["messages_rabbitmq"] = sizes.broker
+    if rabbit:
+        out.update(
+            rabbitmq_direct_per_s=rabbit["direct_per_s"],
+            rabbitmq_outbox_per_s=rabbit["outbox_per_s"],
+            rabbitmq_ratio=rabbit["ratio"],
+            rabbitmq_direct_runs_per_s=", ".join(f"{v:.0f}" for v in rabbit["direct_runs_per_s"]),
+            rabbitmq_window=rabbit["window"],
         )
 
 
@@ -465,6 +506,17 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _verdict(None if small is None or large is None else large <= small * 1.10),
         )
     )
+    if "messages_rabbitmq" in out:
+        ratio = out.get("rabbitmq_ratio")
+        rows.append(
+            (
+                "RabbitMQ publish (outbox / direct)",
+                f"{_fmt(out.get('rabbitmq_outbox_per_s'), ',.0f')} / "
+                f"{_fmt(out.get('rabbitmq_direct_per_s'), ',.0f')} msg/s, ratio {_fmt(ratio, '.2f')}",
+                "ratio >= 0.70",
+                _verdict(None if ratio is None else ratio >= 0.70),
+            )
+        )
     if "messages_nats" in out:
         ratio = out.get("nats_ratio")
         rows.append(
