@@ -46,21 +46,35 @@ class LeaseKeeper:
         period = max(self._lease / 3, 0.05)
         while True:
             await asyncio.sleep(period)
-            ids = list(set(self._held_ids()))
-            if not ids:
-                continue
-            try:
-                kept = await self._rt.db(self._rt.store.extend, ids)
-            except SQLAlchemyError as exc:
-                log.warning("lease renewal failed (%s)", first_line(exc), extra={"action": "db_error"})
-                continue
-            if kept < len(ids):
-                log.warning(
-                    "%d of %d leases were lost (expired and recovered by another relay?)",
-                    len(ids) - kept,
-                    len(ids),
-                    extra={"action": "lease_lost", "relay_id": self._rt.id},
-                )
+            await self.renew_once()
+
+    async def renew_once(self) -> list[int]:
+        """One renewal; returns the ids whose lease was lost (another relay recovered them).
+
+        An outcome written while the renewal runs (the writer commits on its own
+        connection) leaves a row this relay no longer holds: it is finished, not
+        lost. Only ids still held after the renewal, yet not renewed, are lost.
+        """
+        ids = list(set(self._held_ids()))
+        if not ids:
+            return []
+        try:
+            kept = await self._rt.db(self._rt.store.extend, ids)
+        except SQLAlchemyError as exc:
+            log.warning("lease renewal failed (%s)", first_line(exc), extra={"action": "db_error"})
+            return []
+        if len(kept) == len(ids):
+            return []
+        still_held = set(self._held_ids())
+        lost = sorted(i for i in ids if i not in kept and i in still_held)
+        if lost:
+            log.warning(
+                "%d of %d leases were lost (expired and recovered by another relay?)",
+                len(lost),
+                len(ids),
+                extra={"action": "lease_lost", "relay_id": self._rt.id},
+            )
+        return lost
 
     async def recover_once(self) -> int:
         rt = self._rt

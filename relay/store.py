@@ -260,18 +260,19 @@ class Store:
 
     # -- leases -------------------------------------------------------------------
 
-    def extend(self, ids: Iterable[int]) -> int:
-        """Renew the lease on messages still being worked on; returns how many were still ours."""
+    def extend(self, ids: Iterable[int]) -> set[int]:
+        """Renew the lease on messages still being worked on; returns the ids that were still ours."""
         ids = list(ids)
         if not ids:
-            return 0
+            return set()
         stmt = (
             update(m)
             .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
             .values(locked_until=self._later("lease"))
+            .returning(m.c.id)
         )
         with self.engine.begin() as conn:
-            return conn.execute(stmt, {"lease": self._bind_later(self.lease)}).rowcount
+            return set(conn.execute(stmt, {"lease": self._bind_later(self.lease)}).scalars())
 
     def release(self, claims: Iterable[tuple[int, int]]) -> int:
         """Hand back claims whose attempt never started: not an attempt, so the count is restored.
