@@ -398,3 +398,39 @@ def test_mounted_under_a_path_every_link_and_form_stays_under_it(seeded):
         done = c.post(f"/ops/outbox/messages/{mid}/requeue", data={"reason": "mounted"}, headers=SAME_SITE)
         assert done.status_code == 200 and str(done.url).startswith(f"{ORIGIN}/ops/outbox/messages/")
         assert c.get("/ops/outbox/static/dashboard.js").status_code == 200
+
+
+def test_retry_now_pulls_a_waiting_message_forward_and_records_it(operator, seeded):
+    with seeded.maker.begin() as s:
+        outbox.emit(s, "user.signed_up", {"user_id": 4}, key="signup:4", delay=3600)
+    [waiting] = test_ops_cli.ids_where(seeded.engine, m.c.idempotency_key == "signup:4")
+    done = operator.post(
+        f"/messages/{waiting}/retry", data={"reason": "customer is waiting"}, headers=SAME_SITE
+    )
+    assert done.status_code == 200
+    last = history_of(seeded.engine, waiting)[-1]
+    assert (last.outcome, last.actor, last.reason) == ("retried_now", "dashboard", "customer is waiting")
+    again = operator.post(f"/messages/{waiting}/retry", data={"reason": "twice"}, headers=SAME_SITE)
+    assert again.status_code == 409  # due now: nothing to pull forward, said on a page of its own
+
+
+def test_report_runs_and_a_run_with_a_failed_chunk(reader, seeded, tmp_path):
+    from test_dashboard_browser import seed_report_runs
+
+    seed_report_runs(seeded, tmp_path / "reports")
+    runs = {r.report: r for r in ops.report_runs(seeded.engine)}
+    listing = text_of(reader.get("/reports").text)
+    assert "sales" in listing and "stock" in listing and "complete" in listing and "failed" in listing
+    failed = reader.get(f"/reports/{runs['sales'].id}").text
+    assert "warehouse lost chunk 1" in failed and re.search(r'href="/messages/\d+">#\d+', failed)
+    assert reader.get("/reports/no-such-run").status_code == 404
+
+
+def test_bulk_discard_by_selection(operator, seeded):
+    mid = seeded.id("order:8")
+    ask = operator.post("/dead/discard", data={"id": [str(mid)], "reason": "duplicate"}, headers=SAME_SITE)
+    assert "Discard 1 dead message?" in text_of(ask.text)
+    confirm = dict(re.findall(r'name="(expected_ids|confirm|reason)" value="([^"]*)"', ask.text))
+    done = operator.post("/dead/discard", data={**confirm, "id": [str(mid)]}, headers=SAME_SITE)
+    assert "1 message discarded" in text_of(done.text)
+    assert statuses(seeded.engine)["order:8"] == "discarded"
