@@ -55,7 +55,11 @@ def test_routing_templates_are_checked_when_built_and_filled_per_message():
     assert RoutingTemplate("events.{aggregate_type}.{event_type}", "routing key").render(message()) == (
         "events.order.order.paid"
     )
-    for bad, problem in (("{nope}", "is not one of"), ("{event_type!r}", "is not one of"), ("{", "")):
+    for bad, problem in (
+        ("{nope}", "is not one of"),
+        ("{event_type!r}", "is not one of"),
+        ("{", "Single '{' encountered"),
+    ):
         with pytest.raises(ConfigurationError, match=problem):
             RoutingTemplate(bad, "routing key")
     with pytest.raises(PermanentError, match="needs aggregate_type"):
