@@ -16,6 +16,7 @@ from ._argparse import OneLineParser, shown
 from ._cli_dashboard import add_dashboard
 from ._exceptions import ConfigurationError
 from ._migrations import BRANCH
+from ._ops_base import MAX_ID, utc_time
 from ._payload import text_problem
 from ._tables import ATTEMPT_OUTCOMES
 from ._urls import check_url
@@ -28,8 +29,6 @@ class Failed(Exception):
     """An operation failed in a way the user should read as one line (exit 1)."""
 
 
-#: The largest id an outbox table can hold (BIGINT); larger numbers are refused before any query.
-MAX_ID = 2**63 - 1
 
 
 def _text(value: str) -> str:
@@ -44,17 +43,13 @@ def _text(value: str) -> str:
 
 def _timestamp(value: str) -> datetime:
     try:
-        parsed = datetime.fromisoformat(value)
+        return utc_time(value)
+    except OverflowError:  # stored times are UTC: 0001-01-01T00:00+01:00 has no UTC equivalent
+        raise argparse.ArgumentTypeError(f"{value!r} is out of range once converted to UTC") from None
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected an ISO date or time (2026-12-01T10:00), got {shown(value)}"
         ) from None
-    if parsed.tzinfo is None:
-        return parsed.replace(tzinfo=UTC)
-    try:  # stored times are UTC: 0001-01-01T00:00+01:00 has no UTC equivalent
-        return parsed.astimezone(UTC)
-    except OverflowError:
-        raise argparse.ArgumentTypeError(f"{value!r} is out of range once converted to UTC") from None
 
 
 def _age(value: str) -> timedelta:

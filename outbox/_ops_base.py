@@ -29,6 +29,23 @@ class NotFound(OpsError):
     """No message has the given id."""
 
 
+#: The largest id an outbox table can hold (BIGINT); larger numbers are refused before any query.
+MAX_ID = 2**63 - 1
+
+
+def utc_time(text: str) -> datetime:
+    """An ISO date or time as stored: UTC when no zone is given, converted to UTC otherwise.
+
+    Raises ``ValueError`` for text that is not ISO and ``OverflowError`` for a
+    time with no UTC equivalent (0001-01-01T00:00+01:00); each caller words
+    the refusal its own way (a command-line flag, a query parameter).
+    """
+    parsed = datetime.fromisoformat(text)
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    return parsed.astimezone(UTC)
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 

@@ -171,6 +171,7 @@ def test_a_filtered_list_is_bookmarkable(reader, seeded):
         ("status=lost", "status: one of pending, running, delivered, dead, discarded, got 'lost'"),
         ("where=order_id%3D7", "where: expected payload.PATH=VALUE"),
         ("before_id=abc", "before_id: expected a whole number, got 'abc'"),
+        ("before_id=" + "9" * 5000, "before_id: expected 1 to 9223372036854775807, got a 5000-digit number"),
         ("limit=0", "limit: expected 1 to 500, got 0"),
         ("since=yesterday", "since: expected an ISO date or time"),
     ],

@@ -66,47 +66,33 @@ def _back(request: Request, path: str) -> RedirectResponse:
     return RedirectResponse(root + path, status_code=303)
 
 
+def _one(request: Request, form: FormData) -> tuple[Any, dict[str, Any]]:
+    """The engine, and the arguments every single-message action takes: this id, the reason, the actor."""
+    settings = settings_of(request)
+    reason, _ = reason_and_ids(form, [])
+    named = ops.MessageFilter(ids=(message_id(request.path_params["id"]),))
+    return settings.engine, {"where": named, "reason": reason, "actor": settings.actor_of(request)}
+
+
 @action("requeue")
 async def requeue_one(request: Request, form: FormData) -> Response:
-    settings = settings_of(request)
-    mid = message_id(request.path_params["id"])
-    reason, _ = reason_and_ids(form, [])
-    pairs = await run_in_threadpool(
-        lambda: ops.requeue(
-            settings.engine, ops.MessageFilter(ids=(mid,)), reason=reason, actor=settings.actor_of(request)
-        )
-    )
+    engine, args = _one(request, form)
+    pairs = await run_in_threadpool(lambda: ops.requeue(engine, **args))
     return _back(request, f"/messages/{pairs[0][1]}")
 
 
 @action("discard")
 async def discard_one(request: Request, form: FormData) -> Response:
-    settings = settings_of(request)
-    mid = message_id(request.path_params["id"])
-    reason, _ = reason_and_ids(form, [])
-    await run_in_threadpool(
-        lambda: ops.discard(
-            settings.engine, ops.MessageFilter(ids=(mid,)), reason=reason, actor=settings.actor_of(request)
-        )
-    )
-    return _back(request, f"/messages/{mid}")
+    engine, args = _one(request, form)
+    await run_in_threadpool(lambda: ops.discard(engine, **args))
+    return _back(request, f"/messages/{args['where'].ids[0]}")
 
 
 @action("retry")
 async def retry_one(request: Request, form: FormData) -> Response:
-    settings = settings_of(request)
-    mid = message_id(request.path_params["id"])
-    reason, _ = reason_and_ids(form, [])
-    await run_in_threadpool(
-        lambda: ops.retry_now(
-            settings.engine,
-            ops.MessageFilter(ids=(mid,)),
-            reason=reason,
-            actor=settings.actor_of(request),
-            include_delayed=True,
-        )
-    )
-    return _back(request, f"/messages/{mid}")
+    engine, args = _one(request, form)
+    await run_in_threadpool(lambda: ops.retry_now(engine, **args, include_delayed=True))
+    return _back(request, f"/messages/{args['where'].ids[0]}")
 
 
 async def _bulk(request: Request, form: FormData, verb: str) -> Response:
@@ -168,24 +154,23 @@ def _target(form: FormData) -> dict[str, str]:
     return {str(kind): name}
 
 
-@action("pause")
-async def pause(request: Request, form: FormData) -> Response:
+async def _pause_or_resume(request: Request, form: FormData, change: Any) -> Response:
     settings = settings_of(request)
     target = _target(form)
     reason, _ = reason_and_ids(form, [])
     actor = settings.actor_of(request)
-    await run_in_threadpool(lambda: ops.pause(settings.engine, reason=reason, actor=actor, **target))
+    await run_in_threadpool(lambda: change(settings.engine, reason=reason, actor=actor, **target))
     return _back(request, "/queues")
+
+
+@action("pause")
+async def pause(request: Request, form: FormData) -> Response:
+    return await _pause_or_resume(request, form, ops.pause)
 
 
 @action("pause")
 async def resume(request: Request, form: FormData) -> Response:
-    settings = settings_of(request)
-    target = _target(form)
-    reason, _ = reason_and_ids(form, [])
-    actor = settings.actor_of(request)
-    await run_in_threadpool(lambda: ops.resume(settings.engine, reason=reason, actor=actor, **target))
-    return _back(request, "/queues")
+    return await _pause_or_resume(request, form, ops.resume)
 
 
 ROUTES = [

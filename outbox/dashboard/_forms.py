@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
 from starlette.datastructures import ImmutableMultiDict
 
 from .. import ops
+from .._ops_base import MAX_ID, utc_time
 from .._tables import MESSAGE_STATUSES
 
 __all__ = ["FILTER_FIELDS", "BadInput", "ListQuery", "message_id", "parse_list_query", "reason_and_ids"]
@@ -34,7 +35,6 @@ FILTER_FIELDS: tuple[tuple[str, str], ...] = (
     ("before", "Created before"),
 )
 _TEXT_FIELDS = ("queue", "handler", "event_type", "aggregate_type", "aggregate_id", "key", "group_key")
-MAX_ID = 2**63 - 1
 MAX_TEXT = 1000
 
 
@@ -75,21 +75,19 @@ def _text(name: str, value: str) -> str:
 
 def _time(name: str, value: str) -> datetime:
     try:
-        parsed = datetime.fromisoformat(value.strip())
-    except ValueError:
-        raise BadInput(f"{name}: expected an ISO date or time (2026-12-01T10:00), got {value!r}") from None
-    if parsed.tzinfo is None:
-        return parsed.replace(tzinfo=UTC)
-    try:
-        return parsed.astimezone(UTC)
+        return utc_time(value.strip())
     except OverflowError:
         raise BadInput(f"{name}: {value!r} is out of range once converted to UTC") from None
+    except ValueError:
+        raise BadInput(f"{name}: expected an ISO date or time (2026-12-01T10:00), got {value!r}") from None
 
 
 def whole(name: str, value: str, *, low: int = 1, high: int = MAX_ID) -> int:
     text = value.strip()
     if not text.isdigit():
         raise BadInput(f"{name}: expected a whole number, got {value!r}")
+    if len(text.lstrip("0")) > len(str(high)):  # before int(): 5,000 digits would hit Python's own limit
+        raise BadInput(f"{name}: expected {low} to {high}, got a {len(text)}-digit number")
     number = int(text)
     if not low <= number <= high:
         raise BadInput(f"{name}: expected {low} to {high}, got {number}")

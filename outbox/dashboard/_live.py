@@ -33,6 +33,11 @@ LISTEN_POLL = 3.0
 KEEPALIVE = 15.0
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class ChangeFeed:
     def __init__(
         self, engine: Engine, poll_interval: float, *, on_change: Callable[[], None] | None = None
@@ -105,17 +110,13 @@ class ChangeFeed:
         try:
             await run_in_threadpool(self._on_change)
         except Exception as exc:  # the pages still reload; they read for themselves
-            log.warning(
-                "dashboard change feed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            )
+            log.warning("dashboard change feed: %s", _first_line(exc))
 
     async def _marker(self) -> tuple[Any, ...] | None:
         try:
             return await run_in_threadpool(ops.change_marker, self._engine)
         except Exception as exc:  # a database outage: keep the pages open, look again later
-            log.warning(
-                "dashboard change feed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            )
+            log.warning("dashboard change feed: %s", _first_line(exc))
             return None
 
     async def _listener(self) -> asyncio.Task[None] | None:
