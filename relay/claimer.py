@@ -95,8 +95,9 @@ class Claimer:
         return free
 
     def _slots_freed(self) -> None:
-        if self._saturated:
-            self._rt.wake.set()
+        # Always a new claim round, saturated or not: a written outcome may also unblock
+        # the next message of its group, which no NOTIFY announces.
+        self._rt.wake.set()
 
     async def _queues_to_claim(self, discover: bool) -> list[str]:
         if self._queues is not None:

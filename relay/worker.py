@@ -432,16 +432,28 @@ class Relay:
             await self._leases.report_unknown_handlers()
             await self._leases.recover_once()
             self._background = [self._start("outbox-heartbeat", self._leases.heartbeat)]
+            # The same pipeline as serving: outcomes are written by their own task while the
+            # next batch is claimed and delivered, so a drain runs as fast as a serving relay.
+            writing = asyncio.create_task(writer.run(retry=False), name="outbox-writer")
+            self._background.append(writing)
             while True:
-                # Write first, then claim: a claim must see every outcome so far,
-                # or a group's next message looks blocked by one already finished.
-                await writer.write_pending()
-                claimed, _ = await claimer.claim_round(discover=True)
-                if claimer.inflight:
-                    await asyncio.wait(set(claimer.inflight.values()), return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                if not claimed and not len(writer):
+                # Idle before the claim, nothing claimed by it: every outcome so far was in the
+                # database when it ran, so nothing due is left (a finished message unblocks
+                # its group's next one only once written).
+                idle = not claimer.inflight and writer.idle
+                rt.wake.clear()
+                claimed, more = await claimer.claim_round(discover=True)
+                if idle and not claimed:
                     break
+                if more:
+                    continue
+                # Woken by a finished delivery or a written batch; a failed write ends the drain.
+                waking = asyncio.create_task(rt.wake.wait())
+                await asyncio.wait((waking, writing), return_when=asyncio.FIRST_COMPLETED)
+                waking.cancel()
+                if writing.done():
+                    writing.result()  # raises the write's error
+                    raise RuntimeError("the outcome writer stopped during a drain")
         finally:
             pending = [*claimer.inflight.values(), *self._background]
             for task in pending:

@@ -60,7 +60,19 @@ class OutcomeWriter:
 
     # -- the task -----------------------------------------------------------------
 
-    async def run(self) -> None:
+    @property
+    def idle(self) -> bool:
+        """Nothing buffered and nothing being written: every outcome so far is in the database."""
+        return not self._buffer and not self._writing
+
+    async def run(self, *, retry: bool = True) -> None:
+        """Write batches as outcomes arrive, for as long as the relay runs.
+
+        Serving, a failed write is retried with backoff (an outage delays the
+        record). Draining (``retry=False``), the error ends this task, and the
+        drain that awaits it raises it: a caller asking to "deliver everything
+        now" wants to know.
+        """
         failures = 0
         while True:
             await self._buffered.wait()
@@ -68,6 +80,8 @@ class OutcomeWriter:
                 await self.write_pending()
                 failures = 0
             except Exception as exc:
+                if not retry:
+                    raise
                 # Not only database errors: if this task died, outcomes would silently stop being
                 # recorded while leases lapse and every message is delivered again and again.
                 failures += 1
