@@ -80,6 +80,11 @@ async def _connect(engine: Engine, application_name: str, **options: Any) -> Any
     return await psycopg.AsyncConnection.connect(**kwargs, **options)
 
 
+#: The hot path's statements take milliseconds: JIT compilation, which PostgreSQL
+#: switches on by cost estimate alone, would cost more than running them.
+SHORT_STATEMENTS = "SET jit = off"
+
+
 class LoopConnection:
     """An autocommit psycopg connection used from the event loop itself, for the hot path.
 
@@ -93,7 +98,11 @@ class LoopConnection:
     """
 
     def __init__(
-        self, engine: Engine, application_name: str = "outbox-relay claim", *, settings: str = ""
+        self,
+        engine: Engine,
+        application_name: str = "outbox-relay claim",
+        *,
+        settings: str = SHORT_STATEMENTS,
     ) -> None:
         self._engine = engine
         self._application_name = application_name

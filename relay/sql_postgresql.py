@@ -26,11 +26,16 @@ A lease runs from the moment its row is taken (``clock_timestamp()``), not
 from the statement's start (``now()``): a claim slowed by load must not hand
 out leases that are already spent.
 
-A paused queue or handler (``outbox_pause``) is left out of the claim itself:
-neither pause condition refers to the candidate row, so PostgreSQL evaluates
-each once per claim (an InitPlan over a table of a few rows, usually none),
-not once per row, and no extra round trip is made. A pause is therefore seen
-by the next claim of every relay.
+A paused queue or handler (``outbox_pause``) is left out of the claim itself,
+so no extra round trip is made and a pause is seen by the next claim of every
+relay. The queue's pause does not refer to the candidate row: PostgreSQL
+evaluates it once per claim. The handler's pause is an anti-join against a
+table of a few rows (usually none). It is not written ``c.handler <>
+ALL(ARRAY(...))``: against a large table with statistics, the planner's row
+estimate for that form made its cost high enough to switch JIT compilation on,
+and every claim paid for it (hundreds of milliseconds at a million pending
+rows). The relay's own connections also run with ``jit = off``: its statements
+are short, and compiling one costs more than running it.
 
 Status values are literals, never parameters: psycopg prepares a statement
 after a few executions and PostgreSQL may then switch to a generic plan, which
@@ -57,7 +62,7 @@ UPDATE outbox_message
          WHERE c.status = 'pending' AND c.queue = %(queue)s AND c.handler = ANY(%(handlers)s)
            AND c.available_at <= now()
            AND NOT EXISTS (SELECT 1 FROM outbox_pause p WHERE p.kind = 'queue' AND p.name = %(queue)s)
-           AND c.handler <> ALL(ARRAY(SELECT p.name FROM outbox_pause p WHERE p.kind = 'handler'))
+           AND NOT EXISTS (SELECT 1 FROM outbox_pause p WHERE p.kind = 'handler' AND p.name = c.handler)
            AND (c.group_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM outbox_message e
                  WHERE e.handler = c.handler AND e.group_key = c.group_key AND e.id < c.id

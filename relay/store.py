@@ -233,13 +233,14 @@ class Store:
     def _not_paused(queue: str) -> list[ColumnElement[bool]]:
         """Neither the queue nor the message's handler is paused (``outbox pause``).
 
-        Neither condition refers to the candidate row: each is evaluated once per
-        claim, against a table of a few rows.
+        The same shape as the PostgreSQL claim (``sql_postgresql``): the queue's
+        pause once per claim, the handler's an anti-join against a table of a
+        few rows.
         """
         p = outbox_pause
         queue_paused = exists().where(p.c.kind == "queue", p.c.name == queue)
-        paused_handlers = select(p.c.name).where(p.c.kind == "handler")
-        return [~queue_paused, m.c.handler.not_in(paused_handlers)]
+        handler_paused = exists().where(p.c.kind == "handler", p.c.name == m.c.handler)
+        return [~queue_paused, ~handler_paused]
 
     def _group_is_free(self) -> ColumnElement[bool]:
         """A grouped message is due only when no earlier message of its group is unfinished.

@@ -105,3 +105,21 @@ def test_listening_is_restored_after_a_non_database_error_and_readyz_says_when_i
         thread.join(10)
         engine.dispose()
         admin.dispose()
+
+
+def test_the_relays_hot_path_connections_never_jit_compile(pg_url):
+    """PostgreSQL turns JIT on by cost estimate alone; on a claim that runs in milliseconds,
+    compiling costs far more than the statement (it did on a million pending rows)."""
+    import asyncio
+
+    from outbox.relay.db import LoopConnection
+
+    async def setting() -> str:
+        conn = LoopConnection(create_engine(pg_url))
+        try:
+            rows = await conn.fetch("SELECT current_setting('jit') AS jit", {})
+        finally:
+            await conn.close()
+        return str(rows[0].jit)
+
+    assert asyncio.run(setting()) == "off"
