@@ -42,7 +42,7 @@ from outbox._urls import check_url
 
 from .logs import configure
 from .metrics import RelayMetrics
-from .worker import DatabaseUnavailable, Relay, _first_line
+from .worker import DEFAULT_CONCURRENCY, DatabaseUnavailable, Relay, _first_line
 
 __all__ = ["load_app", "main"]
 
@@ -139,8 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--concurrency",
         type=_number(int, 1, inclusive=True),
-        default=_env("CONCURRENCY") or 10,
-        help="deliveries at once (default: 10)",
+        default=_env("CONCURRENCY") or DEFAULT_CONCURRENCY,
+        help=f"deliveries at once (default: {DEFAULT_CONCURRENCY})",
     )
     limits = _env("QUEUE_CONCURRENCY")
     p.add_argument(
