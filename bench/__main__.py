@@ -490,8 +490,8 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "4 wake-up latency",
             f"p50 {_fmt(p50, '.2f')} / p95 {_fmt(out.get('latency_ms_p95'), '.2f')} / "
             f"p99 {_fmt(p99, '.2f')} ms",
-            "p50 <= 2, p99 <= 5 ms",
-            _verdict(None if p50 is None or p99 is None else p50 <= 2 and p99 <= 5),
+            "p50 <= 2, p99 <= 3 ms",
+            _verdict(None if p50 is None or p99 is None else p50 <= 2 and p99 <= 3),
         )
     )
     rows.append(
