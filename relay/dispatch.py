@@ -12,6 +12,7 @@ import contextvars
 import functools
 import inspect
 import json
+import math
 import random
 import time
 from collections.abc import Iterable, Mapping
@@ -205,12 +206,33 @@ def _storable_detail(detail: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """
     if detail is None:
         return None
+    if _is_plain(detail):  # what handlers usually return (status codes, ids): no round trip needed
+        return _without_nul(detail)  # type: ignore[no-any-return]
     try:
         plain = json.loads(json.dumps(detail, default=str), parse_constant=str)
     except Exception:
         plain = {"unstorable_detail": _safe_repr(detail)}
     cleaned: dict[str, Any] = _without_nul(plain)
     return cleaned
+
+
+_SCALARS = (str, int, bool, type(None))
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """Already plain JSON: exact built-in types, string keys, finite floats, shallow nesting."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if kind is float:
+        return math.isfinite(value)
+    if depth > 8:
+        return False
+    if kind is dict:
+        return all(type(k) is str and _is_plain(v, depth + 1) for k, v in value.items())
+    if kind is list:
+        return all(_is_plain(v, depth + 1) for v in value)
+    return False
 
 
 def _without_nul(value: Any) -> Any:

@@ -114,3 +114,41 @@ def test_an_error_detail_that_can_be_neither_serialised_nor_printed_is_stored_as
         ((outcome, error, detail),) = conn.execute(select(a.c.outcome, a.c.error, a.c.detail)).all()
     assert (outcome, error) == ("dead", "bad gateway")
     assert detail == {"unstorable_detail": "<unprintable dict>"}
+
+
+def test_a_returned_detail_is_stored_as_plain_json_whatever_it_holds(engine: Engine):
+    """Plain values are kept as they are; datetimes, UUIDs, NaN and NUL become storable text."""
+    import math
+    import uuid
+    from datetime import UTC, datetime
+
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    ref = uuid.UUID(int=7)
+    ob = Outbox()
+    returned = [
+        {"status": 202, "ok": True, "id": "abc", "none": None, "ms": 1.5, "tags": ["a", {"b": 2}]},
+        {"at": when, "ref": ref, "ratio": math.nan, "text": "a\x00b"},
+        {"text": "a\x00b", "codes": [250, 251]},
+    ]
+
+    @ob.handler("e", name="h", max_attempts=1)
+    def handler(msg):
+        return returned[msg.payload["n"]]
+
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        with maker() as s, s.begin():
+            for n in range(3):
+                emit(s, "e", {"n": n})
+        Relay(ob, engine).run_until_idle()
+    finally:
+        ob.uninstall(maker)
+    with engine.connect() as conn:
+        details = conn.execute(select(a.c.detail).order_by(a.c.message_id)).scalars().all()
+    assert details == [
+        {"status": 202, "ok": True, "id": "abc", "none": None, "ms": 1.5, "tags": ["a", {"b": 2}]},
+        {"at": str(when), "ref": str(ref), "ratio": "NaN", "text": "a\\x00b"},
+        {"text": "a\\x00b", "codes": [250, 251]},
+    ]
+    assert returned[0]["tags"][1] == {"b": 2}  # the handler's own objects are left as they were
