@@ -133,8 +133,9 @@ def console() -> list[str]:
 @pytest.fixture
 def page(dashboard: Callable[..., Dashboard], console: list[str]) -> Iterator[Page]:
     """A fresh browser per test, started after the database is seeded (seeding runs asyncio here)."""
+    executable = chromium_path()  # first: a started Playwright left running breaks asyncio.run() after it
     playwright = sync_playwright().start()
-    browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
+    browser = playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
     context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
     context.set_default_timeout(WAIT_MS)
 
