@@ -275,6 +275,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             if one:
                 out.update(drain_per_s_1=one["per_s"], drain_history_span_per_s_1=one["history_span_per_s"])
                 out["drain_relay_cpu_us_per_msg_1"] = round(one["relay_cpu_us_per_msg"], 1)
+                out["relay_startup_cpu_s"] = round(one["relay_startup_cpu_seconds"], 2)
             two = r.mode(
                 "drain, 2 relays",
                 lambda: drain_postgres(scratch, relay_count=2, count=sizes.drain, settings=settings),
@@ -287,7 +288,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
                 )
                 out["drain_relay_cpu_us_per_msg_2"] = round(two["relay_cpu_us_per_msg"], 1)
-        run_backlog(r.mode, out, scratch, count=sizes.drain, settings=settings, want=want)
+        run_backlog(
+            r.mode, out, scratch, count=sizes.drain, settings=settings, want=want, runs=1 if args.quick else 3
+        )
         if want("ceiling"):
             top = r.mode(
                 "ceiling (raw psycopg loop)",

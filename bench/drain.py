@@ -85,6 +85,7 @@ def drain_postgres(
         "seconds": seconds,
         "history_span_per_s": count / span,
         "relay_cpu_us_per_msg": 1e6 * cpu / count,
+        "relay_startup_cpu_seconds": idle_cpu / relay_count,
         "history_rows": facts["history_rows"],
         "handler_calls": calls,
         "failing": failing,
