@@ -230,7 +230,8 @@ def backlog_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         span = out.get(f"backlog_once_vs_serve_{flags}")
         wall = out.get(f"backlog_once_vs_serve_wall_{flags}")
         verdict = "-"
-        if span is not None and wall is not None:
+        # At --quick's 2,000 messages start-up and exit outweigh the delivery: no verdict there.
+        if span is not None and wall is not None and not out.get("quick"):
             verdict = "PASS" if min(span, wall) >= ONCE_VS_SERVE_MIN else "FAIL"
         rows.append(
             (

@@ -162,6 +162,7 @@ def test_ratios_and_verdicts_follow_both_clocks() -> None:
     assert verdicts["3 --once / serve, default flags"] == "FAIL"
     assert verdicts["3 --once / serve, tuned flags"] == "PASS"
     assert backlog_rows({**out, "backlog_once_vs_serve_default": None})[2][3] == "-"
+    assert {row[3] for row in backlog_rows({**out, **ratios, "quick": True})} == {"-"}
 
 
 def test_a_once_relay_that_fails_is_unverified_and_still_reports_its_cpu(
