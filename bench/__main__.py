@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .backlog import BACKLOG_MODES, backlog_rows, run_backlog
 from .ceiling import ceiling
 from .dashboard import dashboard
 from .drain import RelaySettings, drain_postgres, drain_sqlite
@@ -68,6 +69,7 @@ MODES = (
     "tracing",
     "latency",
     "drain",
+    *BACKLOG_MODES,
     "ceiling",
     "failmix",
     "memory",
@@ -272,6 +274,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             )
             if one:
                 out.update(drain_per_s_1=one["per_s"], drain_history_span_per_s_1=one["history_span_per_s"])
+                out["drain_relay_cpu_us_per_msg_1"] = round(one["relay_cpu_us_per_msg"], 1)
+                out["relay_startup_cpu_s"] = round(one["relay_startup_cpu_seconds"], 2)
             two = r.mode(
                 "drain, 2 relays",
                 lambda: drain_postgres(scratch, relay_count=2, count=sizes.drain, settings=settings),
@@ -283,6 +287,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     drain_history_span_per_s_2=two["history_span_per_s"],
                     drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
                 )
+                out["drain_relay_cpu_us_per_msg_2"] = round(two["relay_cpu_us_per_msg"], 1)
+        run_backlog(
+            r.mode, out, scratch, count=sizes.drain, settings=settings, want=want, runs=1 if args.quick else 3
+        )
         if want("ceiling"):
             top = r.mode(
                 "ceiling (raw psycopg loop)",
@@ -484,6 +492,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _verdict(None if share is None else share >= 0.60),
         )
     )
+    rows.extend(backlog_rows(out))
     p50, p99 = out.get("latency_ms_p50"), out.get("latency_ms_p99")
     rows.append(
         (

@@ -67,8 +67,11 @@ def drain_postgres(
     env = {"BENCH_TRACE_DIR": str(workdir)}
     with relays(url, relay_count, settings.args(), workdir=workdir, env=env) as procs:
         wait_listening(url, procs)
+        idle_cpu = sum(proc.cpu_seconds() for proc in procs)
         committed = prefill(url, route, count, fail_every=fail_every)
         wait_drained(url, count, procs, _timeout(count))
+        # Start-up left out, as in the rate: the CPU the relays spent on this backlog.
+        cpu = sum(proc.cpu_seconds() for proc in procs) - idle_cpu
         for proc in procs:
             proc.stop()
     expected = Expected(count, failing, relays=[p.name for p in procs])
@@ -81,6 +84,8 @@ def drain_postgres(
         "per_s": count / seconds,
         "seconds": seconds,
         "history_span_per_s": count / span,
+        "relay_cpu_us_per_msg": 1e6 * cpu / count,
+        "relay_startup_cpu_seconds": idle_cpu / relay_count,
         "history_rows": facts["history_rows"],
         "handler_calls": calls,
         "failing": failing,

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -230,6 +231,12 @@ class RelayProcess:
             name,
             *args,
         ]
+        #: when it was spawned: ``time.time()`` (to compare with the database's timestamps) and monotonic
+        self.started = time.time()
+        self.started_monotonic = time.monotonic()
+        #: monotonic time :meth:`wait_exit` saw it exit; CPU seconds from its rusage then
+        self.exited_monotonic: float | None = None
+        self._exit_cpu: float | None = None
         self.proc = subprocess.Popen(
             self.command,
             stdin=subprocess.DEVNULL,
@@ -253,6 +260,44 @@ class RelayProcess:
             if line.startswith(f"{field_name}:"):
                 return int(line.split()[1])
         raise Unverified(f"/proc/{self.pid}/status has no {field_name}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds the relay has used so far, all its threads together.
+
+        The figure a capacity plan needs (µs of CPU per delivered message). A
+        running process is read from ``/proc/<pid>/stat`` (``utime`` and
+        ``stime``, in clock ticks); one that :meth:`wait_exit` reaped answers
+        from the rusage ``wait4`` returned, start-up and shutdown included.
+        """
+        if self._exit_cpu is not None:
+            return self._exit_cpu
+        # The command name in parentheses may hold spaces: the fields after ")" start at field 3 (state).
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def wait_exit(self, timeout: float) -> None:
+        """Wait for a relay that exits by itself (``--once``); a non-zero exit is unverified.
+
+        ``os.wait4`` blocks until the exit, so ``exited_monotonic`` is not late
+        by a polling interval, and returns the child's resource usage, which
+        ``/proc`` no longer has once the process is reaped. A watchdog kills a
+        relay that outlives ``timeout``.
+        """
+        watchdog = threading.Timer(timeout, self.proc.kill)
+        watchdog.start()
+        try:
+            _, status, usage = os.wait4(self.pid, 0)
+        finally:
+            watchdog.cancel()
+            self._log.close()
+        self.exited_monotonic = time.monotonic()
+        self._exit_cpu = usage.ru_utime + usage.ru_stime
+        code = os.waitstatus_to_exitcode(status)
+        self.proc.returncode = code  # reaped here, so Popen must not wait for it again
+        if code == -signal.SIGKILL and self.exited_monotonic - self.started_monotonic >= timeout:
+            raise Unverified(f"relay {self.name} did not exit within {timeout:g}s\n{self.tail()}")
+        if code != 0:
+            raise Unverified(f"relay {self.name} exited {code}\n{self.tail()}")
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM, then wait: a clean exit (0) is part of every verification."""
