@@ -23,6 +23,7 @@ from .ceiling import ceiling
 from .dashboard import dashboard
 from .drain import RelaySettings, drain_postgres, drain_sqlite
 from .emit import emit_overhead
+from .emit_report import emit_figures, emit_targets
 from .harness import Scratch, server_version
 from .latency import wake_latency
 from .memory import peak_rss
@@ -230,12 +231,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                 lambda: emit_overhead(scratch.postgres("emit"), transactions=sizes.emit_transactions),
             )
             if emit:
-                out.update(
-                    emit_overhead_ratio=emit["ratio"],
-                    emit_per_s_without=emit["rate_without"],
-                    emit_per_s_installed_no_emit=emit["rate_installed"],
-                    emit_per_s_with=emit["rate_with"],
-                )
+                out.update(emit_figures(emit))
         if want("tracing"):
             traced = r.mode(
                 "emit with tracing (postgresql)",
@@ -461,6 +457,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _verdict(None if ratio is None else ratio <= 1.30),
         )
     )
+    rows.extend(emit_targets(out))
     tracing = out.get("emit_tracing_ratio")
     rows.append(
         (

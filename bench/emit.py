@@ -1,15 +1,23 @@
 """Mode 1: what one ``emit()`` adds to an ORM transaction that inserts one domain row.
 
-Three kinds of transaction alternate in one loop (ABC, then CBA, so drift and
-cache effects fall evenly on all three), each timed on its own:
+The kinds of transaction alternate in one loop (ABC..., then ...CBA, so drift
+and cache effects fall evenly on all), each timed on its own:
 
-- ``plain``: a session the Outbox is not installed on, one ``INSERT``;
+- ``plain``: a session the Outbox is not installed on: add the row, commit;
 - ``installed``: a session the Outbox is installed on, no emit (the hooks' cost);
-- ``emit``: installed, the same insert plus one ``emit()`` to one route.
+- ``emit``: installed, the same plus one ``emit()`` to one route before the commit;
+- ``plain_flush``: as ``plain``, with ``session.flush()`` between add and commit;
+- ``emit_flush``: installed: add, ``flush()``, ``emit()``, commit. The flush
+  shape is the common one where the handler needs the row's generated id, and
+  it is the one where the emit's INSERT cannot ride with the flush's;
+- ``raw`` (psycopg only): the outbox row alone, written by raw psycopg 3 and
+  committed (``raw_insert``), the floor under what an emit can cost.
 
-The headline ratio is plain rate / emit rate: the whole cost of adopting the
-outbox for a transaction that emits. The check: every ``emit`` transaction's
-event is stored exactly once, with its route, and no other transaction stored one.
+The headline ratios are plain rate / emit rate for each shape: the whole cost
+of adopting the outbox for a transaction that emits. Beside them, the time an
+emit adds to a transaction in µs, next to the raw INSERT's. The check: every
+emitting transaction's event is stored exactly once, with its route, every raw
+row is there, and no other transaction stored one.
 """
 
 from __future__ import annotations
@@ -24,11 +32,14 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from outbox import emit, outbox_message
 
 from .app import EVENTS, ob
+from .raw_insert import RAW_ROUTE, RawInserter
 from .verify import Unverified
 
 __all__ = ["Order", "emit_overhead", "outbox_sessions"]
 
-KINDS = ("plain", "installed", "emit")
+#: The ORM kinds; ``raw`` joins them on psycopg.
+KINDS = ("plain", "installed", "emit", "plain_flush", "emit_flush")
+EMITTING = ("emit", "emit_flush")
 WARMUP = 100
 
 
@@ -63,47 +74,77 @@ def emit_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
     plain = sessionmaker(engine, expire_on_commit=False)
     installed = outbox_sessions()
     installed.configure(bind=engine)
+    raw = RawInserter(url) if url.get_driver_name() == "psycopg" else None
+    kinds = KINDS if raw is None else (*KINDS, "raw")
 
     def once(kind: str, n: int) -> float:
         began = time.perf_counter()
-        with (plain if kind == "plain" else installed)() as session, session.begin():
+        if kind == "raw":
+            assert raw is not None
+            raw.insert(n)
+            return time.perf_counter() - began
+        with (plain if kind.startswith("plain") else installed)() as session, session.begin():
             session.add(Order(n=n, kind=kind, note=f"order {n}"))
-            if kind == "emit":
+            if kind.endswith("_flush"):
+                session.flush()
+            if kind in EMITTING:
                 emit(session, EVENTS["noop"], {"n": n, "order": f"order {n}"})
         return time.perf_counter() - began
 
-    spent = dict.fromkeys(KINDS, 0.0)
+    spent = dict.fromkeys(kinds, 0.0)
     n = 0
-    for i in range(WARMUP + transactions):
-        for kind in KINDS if i % 2 == 0 else KINDS[::-1]:
-            elapsed = once(kind, n)
-            n += 1
-            if i >= WARMUP:
-                spent[kind] += elapsed
     try:
-        _verify(engine, WARMUP + transactions)
+        for i in range(WARMUP + transactions):
+            for kind in kinds if i % 2 == 0 else kinds[::-1]:
+                elapsed = once(kind, n)
+                n += 1
+                if i >= WARMUP:
+                    spent[kind] += elapsed
+        _verify(engine, WARMUP + transactions, raw=raw is not None)
     finally:
+        if raw is not None:
+            raw.close()
         engine.dispose()
     rates = {kind: transactions / seconds for kind, seconds in spent.items()}
+
+    def added_us(kind: str, baseline: str) -> float:
+        return (spent[kind] - spent[baseline]) / transactions * 1e6
+
     return {
         "ratio": rates["plain"] / rates["emit"],
         "ratio_installed": rates["installed"] / rates["emit"],
+        "ratio_flush": rates["plain_flush"] / rates["emit_flush"],
         "rate_without": rates["plain"],
         "rate_installed": rates["installed"],
         "rate_with": rates["emit"],
+        "rate_without_flush": rates["plain_flush"],
+        "rate_with_flush": rates["emit_flush"],
+        "added_us": added_us("emit", "plain"),
+        "added_us_flush": added_us("emit_flush", "plain_flush"),
+        "raw_us": None if raw is None else spent["raw"] / transactions * 1e6,
     }
 
 
-def _verify(engine: Engine, per_kind: int) -> None:
+def _verify(engine: Engine, per_kind: int, *, raw: bool) -> None:
     m = outbox_message
     with engine.connect() as conn:
         by_kind = dict(conn.execute(select(Order.kind, func.count()).group_by(Order.kind)).all())
         stored = conn.execute(select(m.c.handler, m.c.payload)).all()
-        emitted = set(conn.execute(select(Order.n).where(Order.kind == "emit")).scalars())
+        emitted = set(conn.execute(select(Order.n).where(Order.kind.in_(EMITTING))).scalars())
     if by_kind != dict.fromkeys(KINDS, per_kind):
         raise Unverified(f"domain rows per kind: {by_kind}, expected {per_kind} each")
-    numbers = [row.payload["n"] if isinstance(row.payload, dict) else None for row in stored]
-    if len(stored) != per_kind or set(numbers) != emitted or len(set(numbers)) != len(numbers):
-        raise Unverified(f"{len(stored)} stored events for {per_kind} emitting transactions")
-    if {row.handler for row in stored} != {"noop"}:
-        raise Unverified("an event was stored for an unexpected route")
+    by_route: dict[str, list[Any]] = {}
+    for row in stored:
+        by_route.setdefault(row.handler, []).append(
+            row.payload["n"] if isinstance(row.payload, dict) else None
+        )
+    numbers = by_route.pop("noop", [])
+    expected = per_kind * len(EMITTING)
+    if len(numbers) != expected or set(numbers) != emitted or len(set(numbers)) != len(numbers):
+        raise Unverified(f"{len(numbers)} stored events for {expected} emitting transactions")
+    raw_numbers = by_route.pop(RAW_ROUTE, [])
+    want = per_kind if raw else 0
+    if len(raw_numbers) != want or len(set(raw_numbers)) != want or None in raw_numbers:
+        raise Unverified(f"{len(raw_numbers)} raw rows for {want} raw transactions")
+    if by_route:
+        raise Unverified(f"events stored for unexpected routes: {sorted(by_route)}")
