@@ -124,7 +124,6 @@ class Drained:
     per_s: float  # the whole drain, over the relay's history span
     first_per_s: float  # its first ``window`` deliveries
     seconds: float
-    rss_mb_idle: float
     rss_mb_start: float
     rss_mb_end: float
     hwm_mb_end: float
@@ -245,7 +244,6 @@ def drain_filled(
     with relays(url, 1, settings.args(), workdir=workdir, env=env) as procs:
         relay = procs[0]
         wait_listening(url, procs)
-        idle_mb = relay.status_kb("VmRSS") / 1024
         start_mb, end_mb = _wait_and_sample(
             url, relay, count=count, history=history, warm=window, timeout=120.0 + count / 200
         )
@@ -254,7 +252,7 @@ def drain_filled(
     history_rows = _verify(url, count=count, history=history)
     read_traces(workdir, ROUTE, Expected(count, relays=[relay.name]))
     per_s, first_per_s, span = _rates(url, history=history, window=min(window, count))
-    return Drained(per_s, first_per_s, span, idle_mb, start_mb, end_mb, hwm_mb, history_rows)
+    return Drained(per_s, first_per_s, span, start_mb, end_mb, hwm_mb, history_rows)
 
 
 def _filled(scratch: Scratch, purpose: str, *, pending: int, history: int) -> tuple[URL, float]:
@@ -345,7 +343,6 @@ def figures(out: dict[str, Any], result: dict[str, Any], explain: Path | None, *
         scale_claim_ms_big=claim_big.execution_ms,
         scale_claim_ms_big_default_jit=claim_jit.execution_ms,
         scale_claim_planning_ms_big=claim_big.planning_ms,
-        scale_rss_mb_idle=big.rss_mb_idle,
         scale_rss_mb_start=big.rss_mb_start,
         scale_rss_mb_end=big.rss_mb_end,
         scale_rss_mb_peak=big.hwm_mb_end,
