@@ -42,8 +42,6 @@ import asyncio
 import logging
 import math
 import re
-import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -60,6 +58,7 @@ from outbox._redact import Redactor
 
 from ._envelope import RoutingTemplate, envelope
 from ._nats_window import WindowCheck, check_window
+from ._per_loop import PerLoop
 
 __all__ = ["NatsPublisher"]
 
@@ -158,8 +157,7 @@ class NatsPublisher:
             raise ConfigurationError(f"connect_options may not set {', '.join(reserved)}: NatsPublisher does")
         self._options = options
         self._redactor = Redactor(self.outbox_secrets())
-        self._links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Link] = weakref.WeakKeyDictionary()
-        self._links_lock = threading.Lock()
+        self._links: PerLoop[_Link] = PerLoop(_Link)
         self._deferred: dict[str, WindowCheck] = {}  # window checks NATS was not reachable for at start
         self._blocked: dict[str, str] = {}  # route -> why it may not publish ("refuse", found late)
 
@@ -196,8 +194,7 @@ class NatsPublisher:
 
     async def outbox_shutdown(self) -> None:
         """Close the running loop's connection (every publish was awaited to its ack: nothing to drain)."""
-        with self._links_lock:
-            link = self._links.pop(asyncio.get_running_loop(), None)
+        link = self._links.pop(asyncio.get_running_loop())
         if link is not None and link.client is not None and not link.client.is_closed:
             await link.client.close()
 
@@ -285,12 +282,7 @@ class NatsPublisher:
     # -- connection ---------------------------------------------------------------------
 
     def _link(self) -> _Link:
-        loop = asyncio.get_running_loop()
-        with self._links_lock:
-            link = self._links.get(loop)
-            if link is None:
-                link = self._links[loop] = _Link()
-            return link
+        return self._links.get()
 
     async def _connection(self) -> tuple[Client, JetStreamContext]:
         """The loop's connection, opened on first use (and again if nats-py ever closed it)."""

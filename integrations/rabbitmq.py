@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
-import weakref
 from typing import Any, Literal
 
 import aio_pika
@@ -41,6 +39,7 @@ from yarl import URL
 from outbox import ConfigurationError, Message, PermanentError, RetryLater
 
 from ._envelope import RoutingTemplate, envelope
+from ._per_loop import PerLoop
 
 __all__ = ["RabbitMQPublisher"]
 
@@ -156,8 +155,7 @@ class RabbitMQPublisher:
             raise ConfigurationError(f"source must be a non-empty string, got {source!r}")
         self.source = source
         self.publish_timeout = _positive("publish_timeout", publish_timeout)
-        self._links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Link] = weakref.WeakKeyDictionary()
-        self._links_lock = threading.Lock()
+        self._links: PerLoop[_Link] = PerLoop(lambda: _Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
 
     @property
     def url(self) -> str:
@@ -185,9 +183,7 @@ class RabbitMQPublisher:
 
     async def outbox_shutdown(self) -> None:
         """Close the running loop's connection (the relay calls this when it stops)."""
-        loop = asyncio.get_running_loop()
-        with self._links_lock:
-            link = self._links.pop(loop, None)
+        link = self._links.pop(asyncio.get_running_loop())
         if link is not None:
             await link.drop()
 
@@ -245,12 +241,7 @@ class RabbitMQPublisher:
         return detail
 
     def _link(self) -> _Link:
-        loop = asyncio.get_running_loop()
-        with self._links_lock:
-            link = self._links.get(loop)
-            if link is None:
-                link = self._links[loop] = _Link(min(self.publish_timeout, _CLOSE_TIMEOUT))
-            return link
+        return self._links.get()
 
     async def _open(self, link: _Link) -> tuple[AbstractExchange, AbstractConnection]:
         """The loop's exchange handle, connecting first if there is none or the old one is closed."""

@@ -62,6 +62,8 @@ class Claimer:
         self._conn = LoopConnection(rt.store.engine) if rt.store.fast else None
         self._handler_pool = DaemonPool(concurrency + 2)
         writer.on_written = self._slots_freed
+        writer.deliveries_running = self.inflight.__len__
+        writer.min_batch = max(1, batch_size // 2)
 
     def held_ids(self) -> list[int]:
         """Messages this relay works on (or must still release): their leases must be renewed."""
@@ -94,6 +96,20 @@ class Claimer:
             free = min(free, limit - self._by_queue[queue])
         return free
 
+    def _worth_a_claim(self, queue: str) -> int:
+        """Free slots a claim waits for while earlier work is still under way.
+
+        Handlers that finish one by one (a broker confirm, an HTTP response) free
+        one slot at a time; claiming each slot alone would cost a statement per
+        message on both sides. So a busy relay waits until half a batch is free,
+        like a consumer's prefetch low-water mark. An idle one claims at once:
+        nothing else would wake it, and a lone event must not wait.
+        """
+        if not self.inflight and not len(self._writer):
+            return 1
+        batch = min(self._batch_size, self._queue_concurrency.get(queue, self._batch_size))
+        return max(1, batch // 2)
+
     def _slots_freed(self) -> None:
         # Always a new claim round, saturated or not: a written outcome may also unblock
         # the next message of its group, which no NOTIFY announces.
@@ -123,7 +139,7 @@ class Claimer:
             if rt.stopping:
                 break
             free = self._free(queue)
-            if free <= 0:
+            if free < self._worth_a_claim(queue):
                 self._saturated = True
                 continue
             limit = min(self._batch_size, free)

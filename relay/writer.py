@@ -32,6 +32,10 @@ __all__ = ["OutcomeWriter"]
 
 Outcome = tuple[Message, Completion]
 
+#: Seconds a small batch of outcomes may wait for more (see OutcomeWriter._gather). Far below
+#: any lease, and below the time a claim and a delivery take anyway.
+LINGER = 0.005
+
 
 class OutcomeWriter:
     def __init__(self, rt: Runtime) -> None:
@@ -43,6 +47,10 @@ class OutcomeWriter:
         self._recorder = LoopConnection(rt.store.engine, "outbox-relay write") if rt.store.fast else None
         #: called after each written batch: written outcomes free their delivery slots
         self.on_written: Callable[[], None] = lambda: None
+        #: deliveries still running (the claimer's count): more outcomes are on their way
+        self.deliveries_running: Callable[[], int] = lambda: 0
+        #: a batch this small waits up to LINGER for company while deliveries still run
+        self.min_batch = 1
 
     # -- what the others see ------------------------------------------------------
 
@@ -76,6 +84,7 @@ class OutcomeWriter:
         failures = 0
         while True:
             await self._buffered.wait()
+            await self._gather()
             try:
                 await self.write_pending()
                 failures = 0
@@ -95,6 +104,27 @@ class OutcomeWriter:
                     extra={"action": "db_error", "relay_id": self._rt.id, "failures": failures},
                 )
                 await asyncio.sleep(delay)
+
+    async def _gather(self) -> None:
+        """Let a small batch wait a moment for the outcomes still on their way.
+
+        Handlers that finish one by one (a broker confirm, an HTTP response)
+        would otherwise cost one write per outcome or two, each a statement for
+        the database to run. The wait is bounded (``LINGER``) and skipped when
+        nothing else is running, so a lone outcome is written at once.
+        """
+        if len(self._buffer) >= self.min_batch or not self.deliveries_running():
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LINGER
+        while len(self._buffer) < self.min_batch and self.deliveries_running():
+            self._buffered.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._buffered.wait()
+            except TimeoutError:
+                break
+        self._buffered.set()  # write_pending runs next, whatever woke this wait
 
     async def write_pending(self) -> None:
         async with self._lock:
