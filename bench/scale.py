@@ -9,6 +9,10 @@ scratch databases, each filled before the relay starts and then
   and purged over the last 30 days, then ``--scale-pending`` pending
   messages (1,000,000).
 
+After each fill the server is settled as before every mode (``Scratch.settle``:
+a ``CHECKPOINT``, no autovacuum worker running), so the relay does not
+start while the checkpointer writes out the gigabytes the fill dirtied.
+
 Per database the relay's real claim statement (``relay.sql_postgresql``,
 with the relay's own session setting ``jit = off``) runs under
 ``EXPLAIN (ANALYZE, BUFFERS)`` in transactions that are rolled back; the
@@ -20,7 +24,9 @@ each backlog. The rate is the relay's own history span (first attempt's
 start to last attempt's finish), so the fill and the process start-up are
 not in it. ``scale_vs_small`` compares the whole big drain with the small
 one; ``scale_vs_small_first`` compares the big drain's first deliveries, as
-many as the small backlog, when the backlog is at its largest. The relay's
+many as the small backlog, when the backlog is at its largest, and the rate
+over each tenth of the big drain shows whether it changes as the backlog
+shrinks. The relay's
 resident set (``VmRSS``) is read once the first small-backlog-worth of
 messages is delivered (warm) and again after the last delivery.
 
@@ -124,6 +130,7 @@ class Drained:
     per_s: float  # the whole drain, over the relay's history span
     first_per_s: float  # its first ``window`` deliveries
     seconds: float
+    per_s_by_tenth: list[float]
     rss_mb_start: float
     rss_mb_end: float
     hwm_mb_end: float
@@ -208,8 +215,27 @@ def _verify(url: URL, *, count: int, history: int) -> int:
     return int(total[0])
 
 
-def _rates(url: URL, *, history: int, window: int) -> tuple[float, float, float]:
-    """The relay's history span rate, the rate over its first ``window`` deliveries, and the span (s)."""
+#: The big drain's rate is also reported for each tenth of its deliveries: is it flat as the backlog shrinks?
+TENTHS = 10
+
+
+def _tenths(conn: psycopg.Connection, *, history: int, first: Any, count: int) -> list[float]:
+    """The rate over each tenth of the deliveries, in finishing order (from a backlog of ``count`` down)."""
+    step = max(count // TENTHS, 1)
+    marks = [first] + [
+        r[0]
+        for r in conn.execute(
+            "SELECT finished_at FROM (SELECT finished_at, row_number() OVER (ORDER BY finished_at) AS n"
+            " FROM outbox_attempt WHERE message_id > %(history)s) AS d WHERE n %% %(step)s = 0",
+            {"history": history, "step": step},
+        )
+    ]
+    return [step / max((b - a).total_seconds(), 1e-6) for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def _rates(url: URL, *, history: int, window: int) -> tuple[float, float, float, list[float]]:
+    """The relay's history span rate, the rate over its first ``window`` deliveries, the span (s), and
+    the rate per tenth of the deliveries."""
     with psycopg.connect(conninfo(url)) as conn:
         row = conn.execute(
             "SELECT min(started_at), max(finished_at), count(*) FROM outbox_attempt"
@@ -221,11 +247,12 @@ def _rates(url: URL, *, history: int, window: int) -> tuple[float, float, float]
             " ORDER BY finished_at OFFSET %(skip)s LIMIT 1",
             {"history": history, "skip": window - 1},
         ).fetchone()
-    if row is None or nth is None:
-        raise Unverified("no history written by the relay")
-    first, last, count = row
+        if row is None or nth is None:
+            raise Unverified("no history written by the relay")
+        first, last, count = row
+        tenths = _tenths(conn, history=history, first=first, count=count)
     span = (last - first).total_seconds()
-    return count / span, window / (nth[0] - first).total_seconds(), span
+    return count / span, window / (nth[0] - first).total_seconds(), span, tenths
 
 
 def drain_filled(
@@ -251,8 +278,8 @@ def drain_filled(
         relay.stop()
     history_rows = _verify(url, count=count, history=history)
     read_traces(workdir, ROUTE, Expected(count, relays=[relay.name]))
-    per_s, first_per_s, span = _rates(url, history=history, window=min(window, count))
-    return Drained(per_s, first_per_s, span, start_mb, end_mb, hwm_mb, history_rows)
+    per_s, first_per_s, span, tenths = _rates(url, history=history, window=min(window, count))
+    return Drained(per_s, first_per_s, span, tenths, start_mb, end_mb, hwm_mb, history_rows)
 
 
 def _filled(scratch: Scratch, purpose: str, *, pending: int, history: int) -> tuple[URL, float]:
@@ -273,11 +300,13 @@ def scale(
     window = min(small, pending)
     limit = settings.batch_size
     small_url, _ = _filled(scratch, "scale_small", pending=small, history=0)
+    settle_s = scratch.settle()
     claim_small = explain_claim(small_url, label=f"small: {small:,} pending, no history", limit=limit)
     small_run = drain_filled(
         scratch, small_url, purpose="scale-small", count=small, history=0, window=window, settings=settings
     )
     big_url, fill_s = _filled(scratch, "scale_big", pending=pending, history=history)
+    settle_s += scratch.settle()
     big_label = f"big: {pending:,} pending, {history:,} history rows"
     claim_big = explain_claim(big_url, label=big_label, limit=limit)
     claim_jit = explain_claim(big_url, label=big_label + ", server default jit", limit=limit, jit_off=False)
@@ -295,6 +324,7 @@ def scale(
         "history": history,
         "small": small,
         "fill_s": fill_s,
+        "settle_s": settle_s,
         "small_run": small_run,
         "big_run": big_run,
         "plans": (claim_small, claim_big, claim_jit),
@@ -337,6 +367,8 @@ def figures(out: dict[str, Any], result: dict[str, Any], explain: Path | None, *
         scale_drain_per_s_big=big.per_s,
         scale_drain_per_s_big_first=big.first_per_s,
         scale_drain_seconds_big=round(big.seconds, 1),
+        scale_drain_per_s_big_by_tenth=", ".join(f"{rate:.0f}" for rate in big.per_s_by_tenth),
+        scale_settle_s=round(result["settle_s"], 1),
         scale_vs_small=big.per_s / small.per_s,
         scale_vs_small_first=big.first_per_s / small.per_s,
         scale_claim_ms_small=claim_small.execution_ms,

@@ -119,3 +119,4 @@ def test_scale_runs_only_when_asked_for(pg_base_url: str, tmp_path: Path) -> Non
     ):
         assert result[key] > 0
     assert explain.read_text().count("Update on outbox_message") == 3
+    assert len(result["scale_drain_per_s_big_by_tenth"].split(", ")) == 10
