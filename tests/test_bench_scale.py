@@ -58,9 +58,10 @@ def test_scale_mode_delivers_every_message_once_over_the_prefilled_history(pg_ba
     }
     assert result["big_run"].history_rows == HISTORY + PENDING
     assert result["small_run"].history_rows == SMALL
+    assert len(result["plans"]) in (3, 4)
     for plan in result["plans"]:
         assert any(line.startswith("Update on outbox_message") for line in plan.plan)
-        assert len(plan.runs) == 5
+        assert len(plan.runs) in (3, 5)
 
 
 def _facts(scratch: Scratch, name: str) -> dict[str, int]:
@@ -118,5 +119,6 @@ def test_scale_runs_only_when_asked_for(pg_base_url: str, tmp_path: Path) -> Non
         "scale_rss_mb_end",
     ):
         assert result[key] > 0
-    assert explain.read_text().count("Update on outbox_message") == 3
+    # the fourth, late in the drain, only if the poll caught the tiny drain before its end
+    assert explain.read_text().count("Update on outbox_message") in (3, 4)
     assert len(result["scale_drain_per_s_big_by_tenth"].split(", ")) == 10
