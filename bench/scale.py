@@ -136,6 +136,7 @@ class Drained:
     hwm_mb_end: float
     history_rows: int
     late_claim: ClaimPlan | None
+    autovacuums: int  # of outbox_message during the drain: what removes the claim index's dead entries
 
 
 def _progress(conn: psycopg.Connection, history: int) -> int:
@@ -273,6 +274,15 @@ def _rates(url: URL, *, history: int, window: int) -> tuple[float, float, float,
     return count / span, window / (nth[0] - first).total_seconds(), span, tenths
 
 
+def _autovacuums(url: URL) -> int:
+    """Autovacuum runs on ``outbox_message`` so far (the fill's own VACUUM is a manual one, not counted)."""
+    with psycopg.connect(conninfo(url)) as conn:
+        row = conn.execute(
+            "SELECT autovacuum_count FROM pg_stat_user_tables WHERE relname = 'outbox_message'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 def drain_filled(
     scratch: Scratch,
     url: URL,
@@ -300,10 +310,13 @@ def drain_filled(
         )
         hwm_mb = relay.status_kb("VmHWM") / 1024
         relay.stop()
+    autovacuums = _autovacuums(url)
     history_rows = _verify(url, count=count, history=history)
     read_traces(workdir, ROUTE, Expected(count, relays=[relay.name]))
     per_s, first_per_s, span, tenths = _rates(url, history=history, window=min(window, count))
-    return Drained(per_s, first_per_s, span, tenths, start_mb, end_mb, hwm_mb, history_rows, late)
+    return Drained(
+        per_s, first_per_s, span, tenths, start_mb, end_mb, hwm_mb, history_rows, late, autovacuums
+    )
 
 
 def _filled(scratch: Scratch, purpose: str, *, pending: int, history: int) -> tuple[URL, float]:
@@ -401,6 +414,7 @@ def figures(out: dict[str, Any], result: dict[str, Any], explain: Path | None, *
         scale_claim_ms_big=claim_big.execution_ms,
         scale_claim_ms_big_default_jit=claim_jit.execution_ms,
         scale_claim_planning_ms_big=claim_big.planning_ms,
+        scale_autovacuums_big=big.autovacuums,
         scale_claim_ms_big_late=None if late is None else late.execution_ms,
         scale_claim_buffers_big=_claim_buffers(claim_big),
         scale_claim_buffers_big_late=None if late is None else _claim_buffers(late),
