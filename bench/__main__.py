@@ -27,6 +27,9 @@ from .emit_report import emit_figures, emit_targets
 from .harness import Scratch, server_version
 from .latency import wake_latency
 from .memory import peak_rss
+from .scale import add_arguments as add_scale_arguments
+from .scale import scale_mode
+from .scale import targets as scale_targets
 from .tracing import emit_tracing_overhead
 from .verify import Unverified
 
@@ -78,7 +81,10 @@ MODES = (
     "dashboard",
     "nats",
     "rabbitmq",
+    "scale",
 )
+#: What runs without ``--only``: the scale mode takes minutes, so it runs only when asked for.
+DEFAULT_MODES = tuple(m for m in MODES if m != "scale")
 #: The dashboard's timed pages: JSON key part, table label.
 DASHBOARD_PAGES = (
     ("overview", "overview /"),
@@ -116,9 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         type=_modes,
-        default=MODES,
+        default=DEFAULT_MODES,
         metavar="MODE[,MODE...]",
-        help=f"run only these modes, of: {', '.join(MODES)} (default: all)",
+        help=f"run only these modes, of: {', '.join(MODES)} (default: all but scale)",
     )
     p.add_argument(
         "--explain", type=Path, help="write the dashboard mode's EXPLAIN (ANALYZE, BUFFERS) plans here"
@@ -135,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a RabbitMQ for the rabbitmq mode (default: amqp://guest:guest@127.0.0.1:5672/)",
     )
     p.add_argument("--no-rabbitmq", action="store_true", help="skip the rabbitmq mode")
+    add_scale_arguments(p)
     return p
 
 
@@ -212,7 +219,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
     settings = RelaySettings(concurrency=args.concurrency, batch_size=args.batch_size)
     scratch = Scratch(args.database_url)
     r = Run(scratch.settle)
-    want = set(args.only).__contains__
+    want = set(args.only + (("scale",) if args.scale else ())).__contains__
     out = r.result
     out.update(_machine())
     out.update(
@@ -361,6 +368,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             _nats_mode(r, args, scratch, sizes, settings)
         if want("rabbitmq") and not args.no_rabbitmq:
             _rabbitmq_mode(r, args, scratch, sizes, settings)
+        if want("scale"):
+            dashboard_ran = want("dashboard")  # the claim plans go after its plans in --explain
+            scale_mode(r.mode, out, args, scratch, small=sizes.drain, settings=settings, append=dashboard_ran)
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
@@ -595,6 +605,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     "-",
                 )
             )
+    rows.extend(scale_targets(out))
     return rows
 
 

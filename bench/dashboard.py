@@ -54,6 +54,7 @@ from sqlalchemy.engine import URL, Engine
 
 from outbox.dashboard import create_app
 
+from .bulk import fill_session, vacuum_analyze
 from .harness import Scratch, conninfo
 from .verify import Unverified, percentile
 
@@ -214,8 +215,7 @@ def fill(url: URL, messages: int) -> Filled:
         raise ValueError(f"the dashboard mode needs at least {3 * CHAIN_EVERY} messages, got {messages}")
     began = time.monotonic()
     params = {"n": messages, "window": min(BACKLOG_WINDOW, messages // 4), "chain": CHAIN_EVERY}
-    with psycopg.connect(conninfo(url), autocommit=True) as conn:
-        conn.execute("SET synchronous_commit = off")
+    with fill_session(url) as conn:
         with conn.transaction():
             conn.execute(_MESSAGES, params)
             conn.execute(
@@ -223,8 +223,7 @@ def fill(url: URL, messages: int) -> Filled:
             )
         conn.execute(_HISTORY, {})
         conn.execute(_OPERATORS, {})
-        conn.execute("VACUUM (ANALYZE) outbox_message")
-        conn.execute("VACUUM (ANALYZE) outbox_attempt")
+        vacuum_analyze(conn, "outbox_message", "outbox_attempt")
         seconds = time.monotonic() - began
         by_status = {
             str(s): int(n)
