@@ -25,6 +25,7 @@ from .emit import emit_overhead
 from .harness import Scratch, server_version
 from .latency import wake_latency
 from .memory import peak_rss
+from .peers import PEER_MODES, peer_rows, run_peers
 from .tracing import emit_tracing_overhead
 from .verify import Unverified
 
@@ -68,6 +69,7 @@ MODES = (
     "tracing",
     "latency",
     "drain",
+    *PEER_MODES,
     "ceiling",
     "failmix",
     "memory",
@@ -283,6 +285,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     drain_history_span_per_s_2=two["history_span_per_s"],
                     drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
                 )
+        run_peers(r.mode, out, scratch, count=sizes.drain, settings=settings, want=want)
         if want("ceiling"):
             top = r.mode(
                 "ceiling (raw psycopg loop)",
@@ -484,6 +487,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _verdict(None if share is None else share >= 0.60),
         )
     )
+    rows.extend(peer_rows(out))
     p50, p99 = out.get("latency_ms_p50"), out.get("latency_ms_p99")
     rows.append(
         (
