@@ -5,17 +5,17 @@ claim with ``FOR UPDATE SKIP LOCKED``, wake on LISTEN/NOTIFY, delete a
 finished job and write a row to ``pgqueuer_log`` per step (queued, picked,
 successful). Its schema is installed with ``Queries.install()`` (what ``pgq
 install`` runs) in a database of its own. The jobs are enqueued with its own
-batch ``Queries.enqueue()`` before the workers start; each worker is ``pgq
-run bench.pgqueuer_worker:main --mode drain --log-level WARNING`` and
-nothing else, so batch size (10), dequeue timeout, heartbeat and concurrency
-are pgqueuer's own defaults. ``--mode drain`` exits once the queue is empty
-and the worker's tasks have finished. 1 or 2 workers are told GO together
-and timed from GO to the last exit.
+batch ``Queries.enqueue()`` before the workers start; each worker is
+``python -m bench.pgqueuer_worker``, which runs ``pgqueuer.run(factory,
+mode=drain)`` as ``pgq run FACTORY --mode drain`` does and passes nothing
+else, so batch size (10), dequeue timeout, heartbeat and concurrency are
+pgqueuer's own defaults. Drain mode exits once the queue is empty and the
+worker's tasks have finished. 1 or 2 workers are told GO together and timed
+from GO to the last exit.
 
 Verified: the queue table is empty, ``pgqueuer_log`` holds exactly one
-``picked`` and one ``successful`` row per enqueued job and nothing else
-past ``queued``, and the workers' own per-job call counts are exactly 1
-for every job.
+``queued``, one ``picked`` and one ``successful`` row per job and nothing
+else, and the workers' own per-job call counts are exactly 1 for every job.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def pgqueuer_drain(scratch: Scratch, *, workers: int, count: int) -> dict[str, A
         seconds = run_gated(procs, timeout=60.0 + count / 100)
     by_worker = check_calls(traces, count)
     check_pgqueuer_log(url, count)
-    return {"per_s": count / seconds, "seconds": seconds, "by_worker": by_worker}
+    return {"per_s": count / seconds, "seconds": seconds, "by_worker": by_worker, "database": url.database}
 
 
 def check_calls(traces: Sequence[Path], count: int) -> list[int]:

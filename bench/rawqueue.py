@@ -69,7 +69,7 @@ def rawqueue(scratch: Scratch, *, workers: int, count: int) -> dict[str, Any]:
         seconds = run_gated(procs, timeout=60.0 + count / 200)
         claimed = [_reported(p.log_path) for p in procs]
     check_rawqueue(url, count, claimed)
-    return {"per_s": count / seconds, "seconds": seconds, "by_worker": claimed}
+    return {"per_s": count / seconds, "seconds": seconds, "by_worker": claimed, "database": url.database}
 
 
 def _reported(log: Path) -> int:
