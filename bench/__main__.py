@@ -27,6 +27,7 @@ from .emit_report import emit_figures, emit_targets
 from .harness import Scratch, server_version
 from .latency import wake_latency
 from .memory import peak_rss
+from .peers import PEER_MODES, peer_rows, run_peers
 from .scale import add_arguments as add_scale_arguments
 from .scale import scale_mode
 from .scale import targets as scale_targets
@@ -73,6 +74,7 @@ MODES = (
     "tracing",
     "latency",
     "drain",
+    *PEER_MODES,
     *BACKLOG_MODES,
     "ceiling",
     "failmix",
@@ -291,6 +293,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     drain_2_smaller_share=shares[0] / sizes.drain if len(shares) == 2 else 0.0,
                 )
                 out["drain_relay_cpu_us_per_msg_2"] = round(two["relay_cpu_us_per_msg"], 1)
+        run_peers(r.mode, out, scratch, count=sizes.drain, settings=settings, want=want)
         run_backlog(
             r.mode, out, scratch, count=sizes.drain, settings=settings, want=want, runs=1 if args.quick else 3
         )
@@ -499,6 +502,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _verdict(None if share is None else share >= 0.60),
         )
     )
+    rows.extend(peer_rows(out))
     rows.extend(backlog_rows(out))
     p50, p99 = out.get("latency_ms_p50"), out.get("latency_ms_p99")
     rows.append(

@@ -26,19 +26,22 @@ __all__ = ["RelaySettings", "drain_postgres", "drain_sqlite"]
 
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
-    """The flags every throughput run passes to ``outbox-relay``."""
+    """The flags every throughput run passes to ``outbox-relay``.
+
+    ``default_sizes`` passes neither ``--concurrency`` nor ``--batch-size``,
+    so the relay runs at its own defaults, whatever they are in this build.
+    """
 
     concurrency: int = 500
     batch_size: int = 250
     log_level: str = "WARNING"
     poll_interval: float = 1.0
+    default_sizes: bool = False
 
     def args(self, *, poll_interval: float | None = None) -> list[str]:
+        sizes = ["--concurrency", str(self.concurrency), "--batch-size", str(self.batch_size)]
         return [
-            "--concurrency",
-            str(self.concurrency),
-            "--batch-size",
-            str(self.batch_size),
+            *([] if self.default_sizes else sizes),
             "--log-level",
             self.log_level,
             "--poll-interval",

@@ -66,15 +66,19 @@ class Scratch:
     def _admin_conninfo(self) -> str:
         return conninfo(self.admin)
 
-    def postgres(self, purpose: str) -> URL:
-        """A fresh, migrated database (history is append-only: every mode starts from empty tables)."""
+    def postgres(self, purpose: str, *, migrate: bool = True) -> URL:
+        """A fresh, migrated database (history is append-only: every mode starts from empty tables).
+
+        ``migrate=False`` leaves it empty, for the peers, which bring their own schema.
+        """
         name = f"{self.tag}_{purpose}"
         with psycopg.connect(self._admin_conninfo(), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             conn.execute(f'CREATE DATABASE "{name}"')
         self.databases.append(name)
         url = self.server.set(database=name)
-        outbox.upgrade(url.render_as_string(hide_password=False))
+        if migrate:
+            outbox.upgrade(url.render_as_string(hide_password=False))
         return url
 
     def settle(self, timeout: float = 60.0) -> float:
