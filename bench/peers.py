@@ -73,6 +73,12 @@ def run_peers(
             )
             if figures:
                 out[f"rawqueue_per_s_{n}"] = figures["per_s"]
+            leased = mode(
+                f"raw queue without history, under a lease, {n} worker(s)",
+                partial(rawqueue, scratch, workers=n, count=count, variant="lease"),
+            )
+            if leased:
+                out[f"rawqueue_lease_per_s_{n}"] = leased["per_s"]
     if want("pgqueuer"):
         from .pgqueuer_peer import pgqueuer_drain  # pgqueuer only when this mode runs
 
@@ -90,7 +96,7 @@ def peer_ratios(out: dict[str, Any]) -> dict[str, float]:
     """``<ours>_vs_<peer>_<n>`` for every pair whose rates this run measured."""
     ratios = {}
     for ours, key in (("drain", "drain_per_s"), ("default", "drain_default_per_s")):
-        for peer in ("rawqueue", "pgqueuer"):
+        for peer in ("rawqueue", "rawqueue_lease", "pgqueuer"):
             for n in (1, 2):
                 mine, theirs = out.get(f"{key}_{n}"), out.get(f"{peer}_per_s_{n}")
                 if mine is not None and theirs:
@@ -113,7 +119,8 @@ def peer_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 f"16 peers, {n} process{'es' if n == 2 else ''}",
                 f"drain {_rate(out.get(f'drain_per_s_{n}'))}, "
                 f"at default sizes {_rate(out.get(f'drain_default_per_s_{n}'))}; "
-                f"raw queue {_rate(out.get(f'rawqueue_per_s_{n}'))}; "
+                f"raw queue {_rate(out.get(f'rawqueue_per_s_{n}'))} "
+                f"(under a lease {_rate(out.get(f'rawqueue_lease_per_s_{n}'))}); "
                 f"pgqueuer {_rate(out.get(f'pgqueuer_per_s_{n}'))} msg/s",
                 "",
                 "-",
@@ -128,6 +135,16 @@ def peer_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     "n/a" if ratio is None else f"{ratio:.2f}",
                     f">= {target:.1f}",
                     "-" if ratio is None else ("PASS" if ratio >= target else "FAIL"),
+                )
+            )
+        lease = out.get(f"default_vs_rawqueue_lease_{n}")
+        if lease is not None:  # the same queue without an open transaction across the work
+            rows.append(
+                (
+                    f"16 default sizes / rawqueue under a lease, {n} process{'es' if n == 2 else ''}",
+                    f"{lease:.2f}",
+                    "",
+                    "-",
                 )
             )
     return rows

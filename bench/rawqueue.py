@@ -18,7 +18,13 @@ processes are started, told GO together, and timed from GO to the last exit.
 Verified: every row done, each exactly once (``deliveries = 1``), and the
 workers' own counts add up to the backlog.
 
-``python -m bench.rawqueue`` is the worker itself.
+The ``lease`` variant is the same queue as a relay has to run it: a handler
+calls the network for seconds, so no transaction may stay open across it.
+Each batch is claimed under a lease in one commit (``locked_until``), then
+marked done in a second one: two commits per batch instead of one, still no
+history. Both are reported; the issue's ratio is checked against the first.
+
+``python -m bench.rawqueue DSN [lease]`` is the worker itself.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from .gate import gated, run_gated, wait_for_go
 from .harness import Scratch, conninfo
 from .verify import Unverified
 
-__all__ = ["BATCH", "check_rawqueue", "rawqueue"]
+__all__ = ["BATCH", "VARIANTS", "check_rawqueue", "rawqueue"]
 
 BATCH = 100
 
@@ -43,7 +49,8 @@ CREATE TABLE raw_queue (
     id bigserial PRIMARY KEY,
     payload jsonb NOT NULL,
     done boolean NOT NULL DEFAULT false,
-    deliveries integer NOT NULL DEFAULT 0
+    deliveries integer NOT NULL DEFAULT 0,
+    locked_until timestamptz
 );
 CREATE INDEX raw_queue_pending ON raw_queue (id) WHERE NOT done;
 """
@@ -55,16 +62,27 @@ SELECT jsonb_build_object('n', g, 'fail', false) FROM generate_series(0, %(count
 
 CLAIM = "SELECT id, payload FROM raw_queue WHERE NOT done ORDER BY id LIMIT %(batch)s FOR UPDATE SKIP LOCKED"
 DONE = "UPDATE raw_queue SET done = true, deliveries = deliveries + 1 WHERE id = ANY(%(ids)s)"
+LEASE = """
+UPDATE raw_queue SET locked_until = now() + interval '30 seconds'
+ WHERE id = ANY(ARRAY(SELECT id FROM raw_queue
+                       WHERE NOT done AND (locked_until IS NULL OR locked_until < now())
+                       ORDER BY id LIMIT %(batch)s FOR UPDATE SKIP LOCKED))
+RETURNING id, payload
+"""
+#: The two shapes: one transaction per batch, or a lease commit and a done commit.
+VARIANTS = ("locked", "lease")
 
 
-def rawqueue(scratch: Scratch, *, workers: int, count: int) -> dict[str, Any]:
-    url = scratch.postgres(f"rawqueue{workers}", migrate=False)
-    workdir = scratch.subdir(f"rawqueue{workers}")
+def rawqueue(scratch: Scratch, *, workers: int, count: int, variant: str = "locked") -> dict[str, Any]:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    url = scratch.postgres(f"rawqueue{variant}{workers}", migrate=False)
+    workdir = scratch.subdir(f"rawqueue{variant}{workers}")
     with psycopg.connect(conninfo(url), autocommit=True) as conn:
         conn.execute(SCHEMA)
         conn.execute(PREFILL, {"count": count})
         conn.execute("ANALYZE raw_queue")
-    command = [sys.executable, "-m", "bench.rawqueue", conninfo(url)]
+    command = [sys.executable, "-m", "bench.rawqueue", conninfo(url), variant]
     with gated([command] * workers, workdir=workdir, envs=[{}] * workers) as procs:
         seconds = run_gated(procs, timeout=60.0 + count / 200)
         claimed = [_reported(p.log_path) for p in procs]
@@ -96,7 +114,7 @@ def check_rawqueue(url: URL, count: int, claimed: list[int]) -> None:
         raise Unverified(f"the workers report {sum(claimed)} deliveries ({claimed}), expected {count}")
 
 
-def work(dsn: str) -> int:
+def work(dsn: str, variant: str = "locked") -> int:
     """The worker loop; returns how many rows it delivered."""
     delivered = 0
     with psycopg.connect(dsn) as conn:
@@ -104,14 +122,22 @@ def work(dsn: str) -> int:
         conn.commit()
         wait_for_go()
         while True:
-            with conn.transaction():
-                rows = conn.execute(CLAIM, {"batch": BATCH}).fetchall()
+            if variant == "lease":
+                with conn.transaction():
+                    rows = conn.execute(LEASE, {"batch": BATCH}).fetchall()
                 if not rows:
                     break
-                conn.execute(DONE, {"ids": [row[0] for row in rows]})
+                with conn.transaction():  # the (empty) work ran outside any transaction
+                    conn.execute(DONE, {"ids": [row[0] for row in rows]})
+            else:
+                with conn.transaction():
+                    rows = conn.execute(CLAIM, {"batch": BATCH}).fetchall()
+                    if not rows:
+                        break
+                    conn.execute(DONE, {"ids": [row[0] for row in rows]})
             delivered += len(rows)
     return delivered
 
 
 if __name__ == "__main__":
-    print("delivered", work(sys.argv[1]), flush=True)
+    print("delivered", work(sys.argv[1], *sys.argv[2:3]), flush=True)

@@ -44,10 +44,11 @@ def _execute(url: URL, sql: str) -> None:
         conn.execute(sql)
 
 
-def test_raw_queue_delivers_every_row_once_and_its_check_can_fail(scratch: Scratch) -> None:
+@pytest.mark.parametrize("variant", ["locked", "lease"])
+def test_raw_queue_delivers_every_row_once_and_its_check_can_fail(scratch: Scratch, variant: str) -> None:
     from bench.rawqueue import check_rawqueue, rawqueue
 
-    figures = rawqueue(scratch, workers=2, count=COUNT)
+    figures = rawqueue(scratch, workers=2, count=COUNT, variant=variant)
 
     assert figures["per_s"] > 0
     assert sum(figures["by_worker"]) == COUNT and len(figures["by_worker"]) == 2
