@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import and_, case, func, select
 from sqlalchemy.engine import Engine
 
 from outbox import ConfigurationError, Message, outbox_message, outbox_pause
@@ -156,20 +156,19 @@ class RelayMetrics:
         copy = m.alias("requeued_copy")
         has_copy = select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists()
         with engine.connect() as conn:
-            counts: dict[str, int] = dict(
-                conn.execute(
-                    select(m.c.status, func.count())
-                    .where(m.c.status.in_(("pending", "running")))
-                    .group_by(m.c.status)
-                ).all()
-            )
-            # A requeued original stays dead for the record: count it apart, so "dead" falls
-            # when an operator acts and a "dead count rising" alert means new failures.
-            dead, dead_requeued = conn.execute(
-                select(func.count(), func.coalesce(func.sum(case((has_copy, 1), else_=0)), 0)).where(
-                    m.c.status == "dead"
+            # One statement, so the gauges agree with each other: counted apart, a delivery
+            # between two queries showed a message as pending and its neighbours as done.
+            # A requeued original stays dead for the record: it is counted apart, so "dead"
+            # falls when an operator acts and a "dead count rising" alert means new failures.
+            rows = conn.execute(
+                select(
+                    m.c.status,
+                    func.count(),
+                    func.coalesce(func.sum(case((and_(m.c.status == "dead", has_copy), 1), else_=0)), 0),
                 )
-            ).one()
+                .where(m.c.status.in_(("pending", "running", "dead")))
+                .group_by(m.c.status)
+            ).all()
             oldest = conn.execute(
                 select(m.c.queue, func.min(m.c.available_at))
                 .where(m.c.status == "pending", m.c.available_at <= _now_expr(engine, now))
@@ -182,8 +181,8 @@ class RelayMetrics:
             ).all()
             pauses = conn.execute(select(outbox_pause.c.kind, outbox_pause.c.name)).all()
         paused: set[tuple[str, str]] = {(kind, name) for kind, name in pauses}
-        counts["dead"] = int(dead) - int(dead_requeued)
-        counts["dead_requeued"] = int(dead_requeued)
+        counts = {status: int(count) - int(requeued) for status, count, requeued in rows}
+        counts["dead_requeued"] = sum(int(requeued) for _, _, requeued in rows)
         for status in ("pending", "running", "dead", "dead_requeued"):
             self.messages.labels(status).set(counts.get(status, 0))
         self._queues = _set_ages(self.oldest_due, oldest, self._queues, now)

@@ -72,7 +72,8 @@ def test_metrics_and_health_endpoints(engine):
                 ("outbox_deliveries_total", (("handler", "ok_route"), ("outcome", "delivered")))
             )
             dead = samples.get(("outbox_messages", (("status", "dead"),)))
-            if done == 3 and dead == 3:
+            pending = samples.get(("outbox_messages", (("status", "pending"),)))
+            if done == 3 and dead == 3 and pending == 0:  # the gauges are a snapshot every 0.05 s
                 break
             time.sleep(0.05)
         assert samples[("outbox_deliveries_total", (("handler", "ok_route"), ("outcome", "delivered")))] == 3
