@@ -23,6 +23,7 @@ row is there, and no other transaction stored one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import String, create_engine, func, select
@@ -68,6 +69,26 @@ def outbox_sessions() -> sessionmaker[OutboxSession]:
     return maker
 
 
+def interleaved(
+    kinds: Sequence[str], transactions: int, once: Callable[[str, int], float]
+) -> dict[str, float]:
+    """Seconds each kind took over ``transactions`` timed rounds, after ``WARMUP`` untimed ones.
+
+    Every round runs each kind once (``once(kind, n)``, ``n`` counting every
+    transaction), in order and then in reverse, so a drift in the host's speed
+    during the run weighs on every kind alike.
+    """
+    spent = dict.fromkeys(kinds, 0.0)
+    n = 0
+    for i in range(WARMUP + transactions):
+        for kind in kinds if i % 2 == 0 else kinds[::-1]:
+            elapsed = once(kind, n)
+            n += 1
+            if i >= WARMUP:
+                spent[kind] += elapsed
+    return spent
+
+
 def emit_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
     engine = create_engine(url)
     Base.metadata.create_all(engine)
@@ -91,15 +112,8 @@ def emit_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
                 emit(session, EVENTS["noop"], {"n": n, "order": f"order {n}"})
         return time.perf_counter() - began
 
-    spent = dict.fromkeys(kinds, 0.0)
-    n = 0
     try:
-        for i in range(WARMUP + transactions):
-            for kind in kinds if i % 2 == 0 else kinds[::-1]:
-                elapsed = once(kind, n)
-                n += 1
-                if i >= WARMUP:
-                    spent[kind] += elapsed
+        spent = interleaved(kinds, transactions, once)
         _verify(engine, WARMUP + transactions, raw=raw is not None)
     finally:
         if raw is not None:

@@ -35,13 +35,12 @@ from sqlalchemy.orm import sessionmaker
 from outbox import _tracing, emit, outbox_message
 
 from .app import EVENTS
-from .emit import Base, Order, outbox_sessions
+from .emit import WARMUP, Base, Order, interleaved, outbox_sessions
 from .verify import Unverified
 
 __all__ = ["emit_tracing_overhead"]
 
 KINDS = ("plain", "emit", "plain_traced", "emit_traced")
-WARMUP = 100
 
 
 class _Dropped(SpanExporter):
@@ -81,15 +80,8 @@ def emit_tracing_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
             transaction(kind, n)
         return time.perf_counter() - began
 
-    spent = dict.fromkeys(KINDS, 0.0)
-    n = 0
     try:
-        for i in range(WARMUP + transactions):
-            for kind in KINDS if i % 2 == 0 else KINDS[::-1]:
-                elapsed = once(kind, n)
-                n += 1
-                if i >= WARMUP:
-                    spent[kind] += elapsed
+        spent = interleaved(KINDS, transactions, once)
         _tracing._api = loaded
         inject_us = _inject_cost(tracer)
         _verify(engine, WARMUP + transactions)
