@@ -398,6 +398,7 @@ def _nats_mode(
             nats_raw_per_s=figures["raw_per_s"],
             nats_outbox_per_s=figures["outbox_per_s"],
             nats_ratio=figures["ratio"],
+            nats_relay_cpu_us_per_msg=round(figures["relay_cpu_us_per_msg"], 1),
         )
 
 
@@ -539,7 +540,8 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "NATS publish (outbox / raw)",
                 f"{_fmt(out.get('nats_outbox_per_s'), ',.0f')} / {_fmt(out.get('nats_raw_per_s'), ',.0f')} "
-                f"msg/s, ratio {_fmt(ratio, '.2f')}",
+                f"msg/s, ratio {_fmt(ratio, '.2f')}; relay CPU "
+                f"{_fmt(out.get('nats_relay_cpu_us_per_msg'), '.0f')} us/msg",
                 "ratio >= 0.70",
                 _verdict(None if ratio is None else ratio >= 0.70),
             )

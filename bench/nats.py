@@ -161,8 +161,10 @@ def nats_publish(scratch: Scratch, *, url: str, count: int, settings: RelaySetti
         args = [*settings.args(), "--app", "bench.nats:ob"]
         with relays(db, 1, args, workdir=workdir, env=env) as procs:
             wait_listening(db, procs)
+            idle_cpu = procs[0].cpu_seconds()
             committed = prefill(db, ROUTE, count, app=ob)
             wait_drained(db, count, procs, _timeout(count))
+            cpu = procs[0].cpu_seconds() - idle_cpu
             for proc in procs:
                 proc.stop()
         check_delivered(db, Expected(count, relays=[p.name for p in procs]))
@@ -179,4 +181,5 @@ def nats_publish(scratch: Scratch, *, url: str, count: int, settings: RelaySetti
         "ratio": box_rate / raw_rate,
         "raw_seconds": raw_seconds,
         "outbox_seconds": box_seconds,
+        "relay_cpu_us_per_msg": 1e6 * cpu / count,
     }
