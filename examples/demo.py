@@ -131,9 +131,7 @@ def build_outbox(engine: Engine, smtp_port: int, crm_port: int, reports: Path) -
     ob = Outbox(default_backoff=Backoff(base=0.2, cap=2.0))
     ob.route(
         "user.signed_up",
-        EmailHandler(
-            "127.0.0.1", smtp_port, sender="Demo <hello@demo.example>", timeout=5
-        ),
+        EmailHandler("127.0.0.1", smtp_port, sender="Demo <hello@demo.example>", timeout=5),
         name="welcome_email",
         queue="mail",
         priority=0,

@@ -29,8 +29,6 @@ class Failed(Exception):
     """An operation failed in a way the user should read as one line (exit 1)."""
 
 
-
-
 def _text(value: str) -> str:
     """Text as given on the command line; bytes that are not UTF-8 are refused here, not by the driver."""
     problem = text_problem(value)
@@ -304,5 +302,3 @@ def database_url_from(parser: argparse.ArgumentParser, value: str | None) -> str
     except ConfigurationError as error:
         parser.error(f"--database-url: {error}")
     return value
-
-

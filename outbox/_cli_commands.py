@@ -329,5 +329,3 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "purge": _cmd_purge,
     "dashboard": run_dashboard,
 }
-
-

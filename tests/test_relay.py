@@ -790,6 +790,7 @@ def test_an_interrupted_drain_hands_back_claims_whose_delivery_never_began(engin
 
 # -- the delivery promise against misbehaving receivers and lost replies ---------------------------------
 
+
 def test_an_outcome_batch_written_twice_leaves_one_history_row_per_attempt(engine, ob, maker):
     """A batch whose COMMIT succeeded but whose reply was lost is sent again by the writer.
 
