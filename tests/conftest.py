@@ -16,6 +16,7 @@ import pgcluster
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
 
@@ -128,3 +129,21 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture
+def ob() -> outbox.Outbox:
+    """An Outbox whose retries fall due within milliseconds, so a test drains them as it goes.
+
+    A module that needs other defaults defines its own ``ob``; ``maker`` uses whichever is in scope.
+    """
+    return outbox.Outbox(default_backoff=outbox.Backoff(base=0.001, cap=0.002))
+
+
+@pytest.fixture
+def maker(engine: Engine, ob: outbox.Outbox) -> Iterator[sessionmaker[Session]]:
+    """Sessions with ``ob`` installed, uninstalled again after the test."""
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    yield factory
+    ob.uninstall(factory)

@@ -32,7 +32,6 @@ from outbox.relay import Relay
 
 m = outbox.outbox_message
 a = outbox.outbox_attempt
-FAST = Backoff(base=0.001, cap=0.002)
 SLOW = Backoff(base=60, cap=60)  # one attempt per run_until_idle; make_due() runs the next
 TOPIC = "orders"
 #: Publisher faults are the same whatever database the relay uses (the relay's own behaviour is tested
@@ -46,19 +45,6 @@ def cluster() -> Iterator[MockCluster]:
     mc.create_topic(TOPIC, partitions=3)
     yield mc
     mc.close()
-
-
-@pytest.fixture
-def ob() -> Outbox:
-    return Outbox(default_backoff=FAST)
-
-
-@pytest.fixture
-def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    yield factory
-    ob.uninstall(factory)
 
 
 def publisher(cluster: MockCluster, **options: Any) -> KafkaPublisher:

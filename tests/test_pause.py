@@ -10,7 +10,6 @@ subprocess, like an operator runs it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,14 +30,6 @@ log = outbox.outbox_pause_log
 @pytest.fixture
 def ob() -> Outbox:
     return Outbox()
-
-
-@pytest.fixture
-def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
-    made: sessionmaker[Session] = sessionmaker(engine)
-    ob.install(made)
-    yield made
-    ob.uninstall(made)
 
 
 def emit_some(maker: sessionmaker[Session], event_type: str, *numbers: int) -> None:

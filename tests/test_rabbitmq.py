@@ -27,7 +27,7 @@ import pytest
 from relayproc import RelayProcess, wait_until
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 import outbox
 from outbox import Backoff, ConfigurationError, Message, Outbox, emit, ops
@@ -38,7 +38,6 @@ m = outbox.outbox_message
 a = outbox.outbox_attempt
 
 BROKER = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
-FAST = Backoff(base=0.001, cap=0.002)
 SLOW = Backoff(base=60, cap=60)  # one failed attempt, then the test decides when the next one is due
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -171,19 +170,6 @@ def publisher_connections(exchange: str) -> list[str]:
 
 
 # -- the outbox side -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ob() -> Outbox:
-    return Outbox(default_backoff=FAST)
-
-
-@pytest.fixture
-def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    yield factory
-    ob.uninstall(factory)
 
 
 def drain(ob: Outbox, engine: Engine) -> None:

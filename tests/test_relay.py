@@ -8,7 +8,6 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,27 +18,12 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
-from outbox import Backoff, ConfigurationError, Outbox, PermanentError, RetryLater, emit, signals
+from outbox import ConfigurationError, Outbox, PermanentError, RetryLater, emit, signals
 from outbox.relay import Relay
 from outbox.relay.claimer import Claimer
 
 m = outbox.outbox_message
 a = outbox.outbox_attempt
-
-FAST = Backoff(base=0.001, cap=0.002)
-
-
-@pytest.fixture
-def ob() -> Outbox:
-    return Outbox(default_backoff=FAST)
-
-
-@pytest.fixture
-def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    yield factory
-    ob.uninstall(factory)
 
 
 def emit_many(
@@ -516,7 +500,7 @@ def test_lease_recovery_announces_a_retry_or_a_death(engine, ob, maker):
 
     assert result.recovered == 2
     [(handler, outcome, attempt, delay, error)] = [r for r in retries if r[1] == "lease_expired"]
-    assert (handler, attempt) == ("retries", 1) and 0 <= delay <= FAST.ceiling(1)
+    assert (handler, attempt) == ("retries", 1) and 0 <= delay <= ob.default_backoff.ceiling(1)
     assert "crashed" in error and "expired" in error
     [(handler, attempt, error)] = deaths
     assert (handler, attempt) == ("last_try", 1) and "crashed" in error and "expired" in error

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from test_webhook import LOCAL, SECRET, Receiver, Reply, serve
 
 import outbox
-from outbox import Backoff, ConfigurationError, Outbox, emit
+from outbox import ConfigurationError, Outbox, emit
 from outbox.integrations.webhook import WebhookHandler
 from outbox.ops import OpsError, RelaySeen, relays
 from outbox.relay import Relay
@@ -27,21 +27,7 @@ from outbox.relay import Relay
 r = outbox.outbox_relay_registry
 m = outbox.outbox_message
 
-FAST = Backoff(base=0.001, cap=0.002)
 PERIOD = 0.1  # the registry interval these relays run with
-
-
-@pytest.fixture
-def ob() -> Outbox:
-    return Outbox(default_backoff=FAST)
-
-
-@pytest.fixture
-def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    yield factory
-    ob.uninstall(factory)
 
 
 @pytest.fixture

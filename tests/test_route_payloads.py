@@ -71,14 +71,6 @@ def ob() -> Outbox:
     return Outbox()
 
 
-@pytest.fixture
-def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    yield factory
-    ob.uninstall(factory)
-
-
 class Checked:
     """A handler object with an emit-time check, recording what it was shown."""
 

@@ -36,7 +36,6 @@ from unchecked import store_unchecked
 
 import outbox
 from outbox import (
-    Backoff,
     ConfigurationError,
     Message,
     Outbox,
@@ -62,7 +61,6 @@ from outbox.relay import Relay
 m = outbox.outbox_message
 a = outbox.outbox_attempt
 
-FAST = Backoff(base=0.001, cap=0.002)
 LOCAL = ["127.0.0.0/8"]
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
 OLD_SECRET = "whsec_" + base64.b64encode(b"o" * 32).decode()
@@ -166,19 +164,6 @@ def tls_receiver(certificate: tuple[Path, Path]) -> Iterator[Receiver]:
 
 
 # -- relay plumbing -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ob() -> Outbox:
-    return Outbox(default_backoff=FAST)
-
-
-@pytest.fixture
-def maker(engine: Engine, ob: Outbox) -> Iterator[sessionmaker[Session]]:
-    factory = sessionmaker(engine)
-    ob.install(factory)
-    yield factory
-    ob.uninstall(factory)
 
 
 def emit_one(maker: sessionmaker[Session], event_type: str, payload: dict[str, Any], **options: Any) -> None:
