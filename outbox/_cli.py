@@ -39,15 +39,11 @@ from ._cli_args import PROG, Failed, build_parser, database_url_from
 from ._cli_commands import COMMANDS
 from ._cli_dashboard import check_dashboard_args
 from ._exceptions import ConfigurationError
+from ._first_line import first_line
 from ._migrations import missing_outbox_table, upgrade
 from ._urls import sync_engine
 
 __all__ = ["main"]
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(getattr(error, "orig", None) or error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             applied = upgrade(url, args.revision)
         except SQLAlchemyError as error:
-            print(f"{PROG} migrate: cannot migrate {shown}: {_one_line(error)}", file=sys.stderr)
+            print(f"{PROG} migrate: cannot migrate {shown}: {first_line(error)}", file=sys.stderr)
             return 1
         except Exception as error:  # alembic's CommandError and friends: one line, no traceback
             print(f"{PROG} migrate: {error}", file=sys.stderr)
@@ -77,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {args.command}: {error}", file=sys.stderr)
         return 2
     except Exception as error:
-        print(f"{PROG} {args.command}: cannot use {shown}: {_one_line(error)}", file=sys.stderr)
+        print(f"{PROG} {args.command}: cannot use {shown}: {first_line(error)}", file=sys.stderr)
         return 2
     try:
         code = COMMANDS[args.command](engine, args)
@@ -101,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"{PROG} {args.command}: database error on {shown}: {_one_line(error)}", file=sys.stderr)
+        print(f"{PROG} {args.command}: database error on {shown}: {first_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         # Every change is its own committed transaction (a purge batch included), so what

@@ -37,13 +37,14 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from outbox import ConfigurationError, Outbox
 from outbox._argparse import OneLineParser, shown
+from outbox._first_line import first_line
 from outbox._payload import text_problem
 from outbox._routes import check_name
 from outbox._urls import check_url
 
 from .logs import configure
 from .metrics import RelayMetrics
-from .worker import DEFAULT_CONCURRENCY, DatabaseUnavailable, Relay, _first_line
+from .worker import DEFAULT_CONCURRENCY, DatabaseUnavailable, Relay
 
 __all__ = ["load_app", "main"]
 
@@ -371,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     except SQLAlchemyError as exc:  # --once: a drain reports database errors instead of retrying
-        print(f"{PROG}: database error: {_first_line(exc)}", file=sys.stderr)
+        print(f"{PROG}: database error: {first_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # --once only: run() handles SIGINT itself
         print(

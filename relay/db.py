@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from outbox._first_line import first_line
 from outbox._urls import sync_engine
 
 __all__ = ["CHANNEL", "Listener", "LoopConnection", "make_engine", "supports_listen"]
@@ -214,10 +215,7 @@ class Listener:
 
     async def _pause(self, failures: int, what: str, exc: Exception) -> None:
         delay = min(self._max_backoff, 0.25 * 2 ** min(failures - 1, 10))
-        try:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        except Exception:
-            reason = type(exc).__name__
+        reason = first_line(exc)
         log.warning(
             "LISTEN connection %s (%s: %s); retrying in %.1fs, polling meanwhile",
             "failed" if what == "connect" else "lost",

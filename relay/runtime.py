@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from outbox import Backoff, Outbox, Route
+from outbox._first_line import first_line
 from outbox._redact import Redactor
 
 from .metrics import RelayMetrics
@@ -48,11 +49,6 @@ class DrainResult:
     @property
     def attempts(self) -> int:
         return self.delivered + self.retried + self.dead
-
-
-def first_line(exc: BaseException) -> str:
-    text_ = str(getattr(exc, "orig", None) or exc).strip()
-    return text_.splitlines()[0] if text_ else type(exc).__name__
 
 
 def backoff_delay(failures: int) -> float:

@@ -66,9 +66,6 @@ from .writer import OutcomeWriter
 
 __all__ = ["DatabaseUnavailable", "DrainResult", "Relay"]
 
-#: kept for ``outbox.relay.cli``, which reports database errors the same way
-_first_line = first_line
-
 #: Deliveries in flight per relay by default. A relay is one event loop, so the figure does not
 #: grow with the machine's cores; 100 is where a no-op drain stops gaining much (10 in flight
 #: leaves it waiting on round trips: 6,200 msg/s against 17,700 at 100, see docs/performance.md),

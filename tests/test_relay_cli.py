@@ -13,15 +13,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 from relayproc import APPS, RelayProcess, relay_command, relay_env, wait_until
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import sessionmaker
 
 import outbox
 from outbox import emit
+from outbox._first_line import first_line
 from outbox.relay.logs import QUIETED, configure
 
 sys.path.insert(0, str(APPS))
@@ -372,3 +375,22 @@ def test_httpx_request_lines_are_kept_out_of_the_relay_log_unless_debugging():
         root.setLevel(level)
         for name, value in levels.items():
             logging.getLogger(name).setLevel(value)
+
+
+def test_an_error_is_quoted_by_its_first_line_without_the_statement_or_its_parameters(tmp_path):
+    """What logs and the commands print for a database error: never the SQL's parameters (secrets)."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    secret = "hunter2-" + uuid.uuid4().hex
+    with engine.connect() as conn, pytest.raises(DBAPIError) as raised:
+        conn.execute(text("INSERT INTO missing_table VALUES (:password)"), {"password": secret})
+    engine.dispose()
+    assert secret in str(raised.value)  # SQLAlchemy's own message quotes it on a later line
+    assert first_line(raised.value) == "no such table: missing_table"
+
+    class Mute(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("cannot say")
+
+    assert first_line(Mute()) == "Mute"
+    assert first_line(ValueError("   ")) == "ValueError"
+    assert first_line(ValueError("first\nsecond")) == "first"

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from .. import ops
+from .._first_line import first_line
 
 __all__ = ["ChangeFeed", "events"]
 
@@ -31,11 +32,6 @@ log = logging.getLogger("outbox.dashboard")
 LISTEN_POLL = 3.0
 #: Comment lines that keep proxies from closing a quiet stream.
 KEEPALIVE = 15.0
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class ChangeFeed:
@@ -110,13 +106,13 @@ class ChangeFeed:
         try:
             await run_in_threadpool(self._on_change)
         except Exception as exc:  # the pages still reload; they read for themselves
-            log.warning("dashboard change feed: %s", _first_line(exc))
+            log.warning("dashboard change feed: %s", first_line(exc))
 
     async def _marker(self) -> tuple[Any, ...] | None:
         try:
             return await run_in_threadpool(ops.change_marker, self._engine)
         except Exception as exc:  # a database outage: keep the pages open, look again later
-            log.warning("dashboard change feed: %s", _first_line(exc))
+            log.warning("dashboard change feed: %s", first_line(exc))
             return None
 
     async def _listener(self) -> asyncio.Task[None] | None:
