@@ -29,34 +29,38 @@ breaker open, rate limited    rescheduled without using an attempt (``counts_as_
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import logging
 import math
-import re
 import ssl
 import threading
 import time
 import uuid
 import weakref
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from datetime import UTC
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from outbox import ConfigurationError, Message, PayloadError, PermanentError, RetryLater
-from outbox import __version__ as _outbox_version
 from outbox._redact import _SECRET_KEY
 from outbox._tracing import TRACE_HEADERS, current_headers
 
 from ._breaker import CircuitBreaker, CircuitOpen
 from ._ratelimit import RateLimited, RateLimiters
 from ._signing import SECRET_PREFIX, WebhookVerificationError, generate_secret, parse_secrets, sign, verify
-from ._ssrf import AddressPolicy, BlockedAddress, IPAddress, IPNetwork, ResolutionFailed, literal_address
+from ._ssrf import AddressPolicy, BlockedAddress, IPNetwork, ResolutionFailed, literal_address
+from ._webhook_http import (
+    EXCERPT_CHARS,
+    HostClients,
+    Target,
+    check_headers,
+    default_port,
+    parse_target,
+    payload_target,
+    post,
+    retry_after,
+)
 
 __all__ = [
     "WebhookHandler",
@@ -68,28 +72,7 @@ __all__ = [
 
 log = logging.getLogger("outbox.integrations.webhook")
 
-#: Characters of a response body kept in the attempt's detail.
-EXCERPT_CHARS = 500
-#: ``Retry-After`` values beyond this are capped, so a typo on the receiver cannot park a message for years.
-MAX_RETRY_AFTER = 24 * 3600.0
-#: HTTP clients kept per event loop (one per destination host); idle ones beyond this are closed.
-MAX_CLIENTS = 64
-
 _RETRYABLE = frozenset({408, 425, 429})
-_RESERVED_HEADERS = frozenset(
-    {
-        "host",
-        "content-type",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "webhook-id",
-        "webhook-timestamp",
-        "webhook-signature",
-    }
-)
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_USER_AGENT = f"sqlalchemy-outbox/{_outbox_version} (+webhook)"
 _WEBHOOK_ID_NAMESPACE = uuid.UUID("7b1c6f0e-3a52-4c0b-9d1e-5f0a9b8c2d41")
 
 
@@ -103,134 +86,12 @@ def webhook_id(message: Message) -> str:
     return "msg_" + uuid.uuid5(_WEBHOOK_ID_NAMESPACE, name).hex
 
 
-@dataclass(frozen=True, slots=True)
-class _Target:
-    url: httpx.URL
-    host: str  # ASCII (IDNA) host name or IP literal, no brackets
-    authority: str  # host[:port] as the Host header carries it; also the breaker and rate-limit key
-
-    @property
-    def https(self) -> bool:
-        return self.url.scheme == "https"
-
-
-def _parse_target(url: object) -> _Target:
-    """A destination URL, or ``ValueError`` saying why it cannot be one."""
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"the webhook URL must be a non-empty string, got {type(url).__name__}")
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
-        raise ValueError(f"invalid webhook URL: {exc}") from None
-    if parsed.scheme not in ("http", "https"):
-        raise ValueError(f"webhook URLs must be http or https, not {parsed.scheme or 'relative'!r}")
-    if not parsed.raw_host:
-        raise ValueError("the webhook URL has no host")
-    if parsed.userinfo:
-        raise ValueError("webhook URLs must not carry credentials; send them with headers={...} instead")
-    host = parsed.raw_host.decode("ascii")
-    literal = literal_address(host)
-    shown = f"[{host}]" if literal is not None and literal.version == 6 else host
-    authority = shown if parsed.port is None else f"{shown}:{parsed.port}"
-    return _Target(url=parsed, host=host, authority=authority)
-
-
-def _payload_target(payload: Any) -> _Target:
-    """The destination a payload names in ``url`` (handlers with ``url=None``), or ValueError."""
-    return _parse_target(payload.get("url") if isinstance(payload, Mapping) else None)
-
-
 def _number(what: str, value: object, *, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigurationError(f"{what} must be a number, got {value!r}")
     if value <= minimum:
         raise ConfigurationError(f"{what} must be > {minimum:g}, got {value!r}")
     return float(value)
-
-
-def _check_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
-    checked: dict[str, str] = {}
-    for name, value in (headers or {}).items():
-        if not isinstance(name, str) or not _TOKEN.match(name):
-            raise ConfigurationError(f"header name {name!r} is not a valid HTTP header name")
-        if name.lower() in _RESERVED_HEADERS:
-            raise ConfigurationError(
-                f"header {name!r} is set by the webhook handler and cannot be overridden"
-            )
-        if not isinstance(value, str) or any(c in value for c in "\r\n\x00"):
-            raise ConfigurationError(f"header {name!r} must be a string without line breaks")
-        checked[name] = value
-    return checked
-
-
-def retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds a ``Retry-After`` asks for (delta-seconds or HTTP date), capped; None if absent or bad."""
-    if value is None or not value.strip():
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        current = time.time() if now is None else now
-        seconds = when.timestamp() - current
-    if not math.isfinite(seconds):
-        return None
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
-
-
-class _Clients:
-    """HTTP clients of one event loop, one per destination host.
-
-    Requests go to a checked IP with the host name in ``Host`` and in TLS SNI.
-    httpx pools connections by IP and port, so a shared client could reuse a
-    TLS connection authenticated for one host name to talk to another host that
-    resolves to the same IP; a client per host name rules that out.
-    """
-
-    def __init__(self, timeout: float, ssl_context: ssl.SSLContext | None) -> None:
-        self._timeout = timeout
-        self._verify: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
-        self._clients: OrderedDict[str, httpx.AsyncClient] = OrderedDict()
-        self._busy: dict[str, int] = {}
-
-    @asynccontextmanager
-    async def use(self, host: str) -> AsyncIterator[httpx.AsyncClient]:
-        client = self._clients.get(host)
-        if client is None:
-            client = self._clients[host] = httpx.AsyncClient(
-                timeout=httpx.Timeout(self._timeout),
-                follow_redirects=False,
-                # Proxy variables from the environment would route around the SSRF guard.
-                trust_env=False,
-                headers={"user-agent": _USER_AGENT},
-                verify=self._verify,
-            )
-        self._clients.move_to_end(host)
-        self._busy[host] = self._busy.get(host, 0) + 1
-        try:
-            yield client
-        finally:
-            self._busy[host] -= 1
-            if not self._busy[host]:
-                del self._busy[host]
-            await self._trim()
-
-    async def _trim(self) -> None:
-        idle = [h for h in self._clients if h not in self._busy]
-        for host in idle[: max(0, len(self._clients) - MAX_CLIENTS)]:
-            await self._clients.pop(host).aclose()
-
-    async def aclose(self) -> None:
-        clients = list(self._clients.values())
-        self._clients.clear()
-        for client in clients:
-            await client.aclose()
 
 
 class WebhookHandler:
@@ -280,7 +141,7 @@ class WebhookHandler:
         self._secrets: list[str] = [secret] if isinstance(secret, str) else list(secret)
         self.timeout = _number("timeout", timeout)
         self.policy = AddressPolicy(allowed_networks)
-        self.headers = _check_headers(headers)
+        self.headers = check_headers(headers)
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown)
         self._limiters = None if rate_limit is None else RateLimiters(_number("rate_limit", rate_limit))
         self.rate_limit = None if self._limiters is None else self._limiters.rate
@@ -305,10 +166,10 @@ class WebhookHandler:
         # A traceparent given in headers= is sent as given, never beside the delivery's own.
         self._send_trace = send_trace_context and not any(n.lower() in TRACE_HEADERS for n in self.headers)
         self.url = url
-        self._target: _Target | None = None
+        self._target: Target | None = None
         if url is not None:
             try:
-                self._target = _parse_target(url)
+                self._target = parse_target(url)
             except ValueError as exc:
                 raise ConfigurationError(str(exc)) from None
             literal = literal_address(self._target.host)
@@ -317,7 +178,7 @@ class WebhookHandler:
                     self.policy.check(self._target.host, literal)
                 except BlockedAddress as exc:
                     raise ConfigurationError(str(exc)) from None
-        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Clients] = (
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HostClients] = (
             weakref.WeakKeyDictionary()
         )
         self._pools_lock = threading.Lock()
@@ -368,7 +229,7 @@ class WebhookHandler:
         if self._target is not None:
             return
         try:
-            self.policy.precheck(_payload_target(payload).host)
+            self.policy.precheck(payload_target(payload).host)
         except (ValueError, BlockedAddress) as exc:
             raise PayloadError(f"payload['url']: {exc}") from None
 
@@ -411,11 +272,11 @@ class WebhookHandler:
             else:
                 permit.failure()
 
-    def _destination(self, message: Message) -> _Target:
+    def _destination(self, message: Message) -> Target:
         if self._target is not None:
             return self._target
         try:
-            return _payload_target(message.payload)
+            return payload_target(message.payload)
         except ValueError as exc:
             raise PermanentError(f"payload['url']: {exc}", detail={"reason": "bad_url"}) from None
 
@@ -425,7 +286,7 @@ class WebhookHandler:
         except (TypeError, ValueError) as exc:  # emit() checks payloads; a hand-written row may not be
             raise PermanentError(f"payload is not JSON-serialisable: {exc}") from None
 
-    async def _wait_for_rate(self, target: _Target) -> None:
+    async def _wait_for_rate(self, target: Target) -> None:
         if self._limiters is None:
             return
         try:
@@ -438,15 +299,15 @@ class WebhookHandler:
                 counts_as_attempt=False,
             ) from None
 
-    def _pool(self) -> _Clients:
+    def _pool(self) -> HostClients:
         loop = asyncio.get_running_loop()
         with self._pools_lock:
             pool = self._pools.get(loop)
             if pool is None:
-                pool = self._pools[loop] = _Clients(self.timeout, self.ssl_context)
+                pool = self._pools[loop] = HostClients(self.timeout, self.ssl_context)
             return pool
 
-    async def _send(self, target: _Target, msg_id: str, body: bytes) -> tuple[int, httpx.Headers, str]:
+    async def _send(self, target: Target, msg_id: str, body: bytes) -> tuple[int, httpx.Headers, str]:
         """POST once; the status, headers and an excerpt of the body, or a retryable/permanent error."""
         timestamp = int(time.time())
         headers = {
@@ -462,9 +323,9 @@ class WebhookHandler:
         extensions = {"sni_hostname": target.host} if target.https else {}
         try:
             async with asyncio.timeout(self.timeout):
-                addresses = await self.policy.resolve(target.host, target.url.port or _default_port(target))
+                addresses = await self.policy.resolve(target.host, target.url.port or default_port(target))
                 async with self._pool().use(target.host) as client:
-                    return await _post(client, target, addresses, headers, extensions, body)
+                    return await post(client, target, addresses, headers, extensions, body)
         except BlockedAddress as exc:
             raise PermanentError(
                 str(exc), detail={"reason": "ssrf_refused", "host": target.authority, "refused": exc.reason}
@@ -485,7 +346,7 @@ class WebhookHandler:
     def _classify(
         self,
         message: Message,
-        target: _Target,
+        target: Target,
         msg_id: str,
         status: int,
         headers: httpx.Headers,
@@ -527,46 +388,3 @@ class WebhookHandler:
         if 400 <= status < 500:
             raise PermanentError(f"HTTP {status} from {target.authority}", detail=detail)
         raise RetryLater(f"unexpected HTTP status {status} from {target.authority}", detail=detail)
-
-
-def _default_port(target: _Target) -> int:
-    return 443 if target.https else 80
-
-
-async def _post(
-    client: httpx.AsyncClient,
-    target: _Target,
-    addresses: list[IPAddress],
-    headers: dict[str, str],
-    extensions: dict[str, Any],
-    body: bytes,
-) -> tuple[int, httpx.Headers, str]:
-    failure: httpx.ConnectError | None = None
-    for address in addresses:  # every one was checked; try the next only if one cannot be reached
-        url = target.url.copy_with(host=str(address))
-        request = client.build_request("POST", url, content=body, headers=headers, extensions=extensions)
-        try:
-            response = await client.send(request, stream=True)
-        except httpx.ConnectError as exc:
-            failure = exc
-            continue
-        try:
-            return response.status_code, response.headers, await _excerpt(response)
-        finally:
-            await response.aclose()
-    assert failure is not None
-    raise failure
-
-
-async def _excerpt(response: httpx.Response) -> str:
-    """The start of the body, read no further than needed (a receiver may answer with megabytes)."""
-    limit = EXCERPT_CHARS * 4  # UTF-8 needs at most four bytes a character
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= limit:
-            break
-    text = b"".join(chunks)[:limit].decode("utf-8", errors="replace")
-    return text[:EXCERPT_CHARS]

@@ -1,0 +1,229 @@
+"""The webhook handler's HTTP layer: destinations, headers, Retry-After, a client per host, the POST.
+
+What ``webhook.WebhookHandler`` decides (signing, the SSRF policy, breaker and
+rate limit, what each status means) stays there; this module only knows how
+to name a destination, talk HTTP to a checked address and read the answer.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import re
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC
+from typing import Any
+
+import httpx
+
+from outbox import ConfigurationError
+from outbox import __version__ as _outbox_version
+
+from ._ssrf import IPAddress, literal_address
+
+__all__ = [
+    "EXCERPT_CHARS",
+    "MAX_CLIENTS",
+    "MAX_RETRY_AFTER",
+    "HostClients",
+    "Target",
+    "check_headers",
+    "default_port",
+    "excerpt",
+    "parse_target",
+    "payload_target",
+    "post",
+    "retry_after",
+]
+
+#: Characters of a response body kept in the attempt's detail.
+EXCERPT_CHARS = 500
+#: ``Retry-After`` values beyond this are capped, so a typo on the receiver cannot park a message for years.
+MAX_RETRY_AFTER = 24 * 3600.0
+#: HTTP clients kept per event loop (one per destination host); idle ones beyond this are closed.
+MAX_CLIENTS = 64
+
+_RESERVED_HEADERS = frozenset(
+    {
+        "host",
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "webhook-id",
+        "webhook-timestamp",
+        "webhook-signature",
+    }
+)
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+USER_AGENT = f"sqlalchemy-outbox/{_outbox_version} (+webhook)"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    url: httpx.URL
+    host: str  # ASCII (IDNA) host name or IP literal, no brackets
+    authority: str  # host[:port] as the Host header carries it; also the breaker and rate-limit key
+
+    @property
+    def https(self) -> bool:
+        return self.url.scheme == "https"
+
+
+def parse_target(url: object) -> Target:
+    """A destination URL, or ``ValueError`` saying why it cannot be one."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"the webhook URL must be a non-empty string, got {type(url).__name__}")
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"invalid webhook URL: {exc}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise ValueError(f"webhook URLs must be http or https, not {parsed.scheme or 'relative'!r}")
+    if not parsed.raw_host:
+        raise ValueError("the webhook URL has no host")
+    if parsed.userinfo:
+        raise ValueError("webhook URLs must not carry credentials; send them with headers={...} instead")
+    host = parsed.raw_host.decode("ascii")
+    literal = literal_address(host)
+    shown = f"[{host}]" if literal is not None and literal.version == 6 else host
+    authority = shown if parsed.port is None else f"{shown}:{parsed.port}"
+    return Target(url=parsed, host=host, authority=authority)
+
+
+def payload_target(payload: Any) -> Target:
+    """The destination a payload names in ``url`` (handlers with ``url=None``), or ValueError."""
+    return parse_target(payload.get("url") if isinstance(payload, Mapping) else None)
+
+
+def check_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    checked: dict[str, str] = {}
+    for name, value in (headers or {}).items():
+        if not isinstance(name, str) or not _TOKEN.match(name):
+            raise ConfigurationError(f"header name {name!r} is not a valid HTTP header name")
+        if name.lower() in _RESERVED_HEADERS:
+            raise ConfigurationError(
+                f"header {name!r} is set by the webhook handler and cannot be overridden"
+            )
+        if not isinstance(value, str) or any(c in value for c in "\r\n\x00"):
+            raise ConfigurationError(f"header {name!r} must be a string without line breaks")
+        checked[name] = value
+    return checked
+
+
+def retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` asks for (delta-seconds or HTTP date), capped; None if absent or bad."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        current = time.time() if now is None else now
+        seconds = when.timestamp() - current
+    if not math.isfinite(seconds):
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+class HostClients:
+    """HTTP clients of one event loop, one per destination host.
+
+    Requests go to a checked IP with the host name in ``Host`` and in TLS SNI.
+    httpx pools connections by IP and port, so a shared client could reuse a
+    TLS connection authenticated for one host name to talk to another host that
+    resolves to the same IP; a client per host name rules that out.
+    """
+
+    def __init__(self, timeout: float, ssl_context: ssl.SSLContext | None) -> None:
+        self._timeout = timeout
+        self._verify: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
+        self._clients: OrderedDict[str, httpx.AsyncClient] = OrderedDict()
+        self._busy: dict[str, int] = {}
+
+    @asynccontextmanager
+    async def use(self, host: str) -> AsyncIterator[httpx.AsyncClient]:
+        client = self._clients.get(host)
+        if client is None:
+            client = self._clients[host] = httpx.AsyncClient(
+                timeout=httpx.Timeout(self._timeout),
+                follow_redirects=False,
+                # Proxy variables from the environment would route around the SSRF guard.
+                trust_env=False,
+                headers={"user-agent": USER_AGENT},
+                verify=self._verify,
+            )
+        self._clients.move_to_end(host)
+        self._busy[host] = self._busy.get(host, 0) + 1
+        try:
+            yield client
+        finally:
+            self._busy[host] -= 1
+            if not self._busy[host]:
+                del self._busy[host]
+            await self._trim()
+
+    async def _trim(self) -> None:
+        idle = [h for h in self._clients if h not in self._busy]
+        for host in idle[: max(0, len(self._clients) - MAX_CLIENTS)]:
+            await self._clients.pop(host).aclose()
+
+    async def aclose(self) -> None:
+        clients = list(self._clients.values())
+        self._clients.clear()
+        for client in clients:
+            await client.aclose()
+
+
+def default_port(target: Target) -> int:
+    return 443 if target.https else 80
+
+
+async def post(
+    client: httpx.AsyncClient,
+    target: Target,
+    addresses: list[IPAddress],
+    headers: dict[str, str],
+    extensions: dict[str, Any],
+    body: bytes,
+) -> tuple[int, httpx.Headers, str]:
+    failure: httpx.ConnectError | None = None
+    for address in addresses:  # every one was checked; try the next only if one cannot be reached
+        url = target.url.copy_with(host=str(address))
+        request = client.build_request("POST", url, content=body, headers=headers, extensions=extensions)
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.ConnectError as exc:
+            failure = exc
+            continue
+        try:
+            return response.status_code, response.headers, await excerpt(response)
+        finally:
+            await response.aclose()
+    assert failure is not None
+    raise failure
+
+
+async def excerpt(response: httpx.Response) -> str:
+    """The start of the body, read no further than needed (a receiver may answer with megabytes)."""
+    limit = EXCERPT_CHARS * 4  # UTF-8 needs at most four bytes a character
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    text = b"".join(chunks)[:limit].decode("utf-8", errors="replace")
+    return text[:EXCERPT_CHARS]
