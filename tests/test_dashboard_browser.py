@@ -438,6 +438,8 @@ def test_screenshots_of_every_page(page, dashboard, seeded, console, tmp_path):
 
     page.goto(dash.url("/"))
     expect(page.locator('[data-count="dead"]')).to_have_text("3")  # order:7, order:8, the lost chunk
+    # What an on-call engineer must act on leads the cards.
+    expect(page.locator(".cards .card").first).to_contain_text("dead, needing a decision")
     shoot(page, tmp_path, "overview")
 
     page.goto(dash.url("/messages"))

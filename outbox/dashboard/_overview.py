@@ -29,6 +29,8 @@ __all__ = ["FINISHED", "UNFINISHED", "Cached", "finished_counts", "overview_data
 FINISHED = ("delivered", "discarded")
 UNFINISHED = tuple(s for s in MESSAGE_STATUSES if s not in FINISHED)
 CHART_HEIGHT = 120
+#: The overview's cards: what an operator must act on leads, the rest follow in lifecycle order.
+CARD_STATUSES = ("dead", *(s for s in MESSAGE_STATUSES if s != "dead"))
 
 
 class Cached:
@@ -159,6 +161,7 @@ def overview_data(engine: Engine, unfinished: Cached, finished: Cached) -> dict[
         "finished_age": age,
         "queues": {q: dict(sorted(h.items())) for q, h in sorted(queues.items())},
         "statuses": MESSAGE_STATUSES,
+        "card_statuses": CARD_STATUSES,
         "bars": bars,
         "peak": peak,
         "chart_height": CHART_HEIGHT,
