@@ -420,6 +420,7 @@ def _rabbitmq_mode(
             rabbitmq_ratio=rabbit["ratio"],
             rabbitmq_direct_runs_per_s=", ".join(f"{v:.0f}" for v in rabbit["direct_runs_per_s"]),
             rabbitmq_window=rabbit["window"],
+            rabbitmq_relay_cpu_us_per_msg=round(rabbit["relay_cpu_us_per_msg"], 1),
         )
 
 
@@ -529,7 +530,8 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "RabbitMQ publish (outbox / direct)",
                 f"{_fmt(out.get('rabbitmq_outbox_per_s'), ',.0f')} / "
-                f"{_fmt(out.get('rabbitmq_direct_per_s'), ',.0f')} msg/s, ratio {_fmt(ratio, '.2f')}",
+                f"{_fmt(out.get('rabbitmq_direct_per_s'), ',.0f')} msg/s, ratio {_fmt(ratio, '.2f')}; "
+                f"relay CPU {_fmt(out.get('rabbitmq_relay_cpu_us_per_msg'), '.0f')} us/msg",
                 "ratio >= 0.70",
                 _verdict(None if ratio is None else ratio >= 0.70),
             )

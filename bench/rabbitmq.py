@@ -131,8 +131,10 @@ def rabbitmq_publish(scratch: Scratch, *, broker: str, count: int, settings: Rel
         env = {"BENCH_RABBITMQ_URL": broker, "BENCH_RABBITMQ_EXCHANGE": exchange}
         with relays(url, 1, args, workdir=workdir, env=env) as procs:
             wait_listening(url, procs)
+            idle_cpu = procs[0].cpu_seconds()
             committed = _prefill(url, count)
             wait_drained(url, count, procs, 60.0 + count / 200)
+            cpu = procs[0].cpu_seconds() - idle_cpu
             procs[0].stop()
         check_delivered(url, Expected(count, relays=[procs[0].name]))
         _, _, written = drain_window(url)
@@ -150,6 +152,7 @@ def rabbitmq_publish(scratch: Scratch, *, broker: str, count: int, settings: Rel
         "outbox_per_s": through,
         "ratio": through / direct,
         "window": settings.concurrency,
+        "relay_cpu_us_per_msg": 1e6 * cpu / count,
     }
 
 
