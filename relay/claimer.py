@@ -21,8 +21,9 @@ from outbox import Message, signals
 from .announce import send
 from .db import LoopConnection
 from .dispatch import attempt, to_message
+from .outcomes import Completion
 from .runtime import Runtime, log
-from .store import Completion, utcnow
+from .store import utcnow
 from .threads import DaemonPool
 from .writer import OutcomeWriter
 

@@ -1,7 +1,7 @@
 """One attempt: call the route's handler under its timeout and classify what happened.
 
 Knows nothing of SQL; it turns a claimed row into a :class:`~outbox.Message`,
-runs the handler, and returns a :class:`~outbox.relay.store.Completion` that the
+runs the handler, and returns a :class:`~outbox.relay.outcomes.Completion` that the
 worker writes back.
 """
 
@@ -23,7 +23,8 @@ from typing import Any
 from outbox import Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
-from .store import Completion, utcnow
+from .outcomes import Completion
+from .store import utcnow
 
 __all__ = ["attempt", "is_async_handler", "to_message"]
 

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 
 from outbox import ConfigurationError, Message, outbox_message, outbox_pause
 
-from .store import Completion
+from .outcomes import Completion
 
 __all__ = ["RelayMetrics"]
 

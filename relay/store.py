@@ -1,4 +1,4 @@
-"""Every query the relay runs, in one place, for PostgreSQL and SQLite.
+"""Every query the relay runs, for PostgreSQL and SQLite; the outcome writes are in ``outcomes``.
 
 The statements are the same on both databases; only "now" differs. On
 PostgreSQL it is the server's clock (``now()``), the same clock the write side
@@ -16,37 +16,33 @@ Methods are synchronous and short; the worker runs them in threads.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import (
     ColumnElement,
-    Integer,
     Interval,
     Row,
-    and_,
     bindparam,
     exists,
     func,
-    insert,
     literal,
     or_,
     select,
     tuple_,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
 
+from . import outcomes
 from . import sql_postgresql as pg
 from .db import LoopConnection
+from .outcomes import Completion
 
 __all__ = ["Completion", "GroupPolicy", "Recovered", "Store"]
 
@@ -73,24 +69,6 @@ _CLAIMED = (
     m.c.aggregate_id,
     m.c.created_at,
 )
-
-
-@dataclass(slots=True)
-class Completion:
-    """The result of one attempt, written back in batches by :meth:`Store.complete`."""
-
-    message_id: int
-    attempt: int
-    outcome: str  # an ATTEMPT_OUTCOMES value
-    status: str  # the message's next status: delivered, pending (retry) or dead
-    started_at: datetime
-    finished_at: datetime
-    retry_in: float = 0.0
-    error_type: str | None = None
-    error: str | None = None
-    detail: dict[str, Any] | None = field(default=None)
-    #: a deferral that must not use up an attempt (an open circuit breaker, say)
-    refund: bool = False
 
 
 @dataclass(slots=True)
@@ -121,19 +99,19 @@ class Store:
 
     # -- clock ----------------------------------------------------------------
 
-    def _now(self) -> ColumnElement[datetime]:
+    def now(self) -> ColumnElement[datetime]:
         if self.server_clock:
             return func.now()
         return literal(utcnow(), type_=m.c.available_at.type)
 
-    def _later(self, param: str) -> ColumnElement[datetime]:
+    def later(self, param: str) -> ColumnElement[datetime]:
         """ "now" plus a per-row interval bound under ``param`` (a timedelta)."""
         if self.server_clock:
             return func.now() + bindparam(param, type_=Interval())
         # SQLite: the caller binds the absolute time under the same name.
         return bindparam(param, type_=m.c.available_at.type)
 
-    def _bind_later(self, delay: timedelta) -> timedelta | datetime:
+    def bind_later(self, delay: timedelta) -> timedelta | datetime:
         return delay if self.server_clock else utcnow() + delay
 
     # -- liveness ---------------------------------------------------------------
@@ -178,7 +156,7 @@ class Store:
                 fast_rows = list(conn.exec_driver_sql(self._claim_sql, params))
             fast_rows.sort(key=lambda r: (r.priority, r.id))
             return fast_rows
-        now = self._now()
+        now = self.now()
         due = (
             select(m.c.id)
             .where(
@@ -199,14 +177,14 @@ class Store:
             .values(
                 status="running",
                 locked_by=self.relay_id,
-                locked_until=self._later("lease"),
+                locked_until=self.later("lease"),
                 attempts=m.c.attempts + 1,
                 updated_at=now,
             )
             .returning(*_CLAIMED)
         )
         with self.engine.begin() as conn:
-            rows = list(conn.execute(claim, {"lease": self._bind_later(self.lease)}))
+            rows = list(conn.execute(claim, {"lease": self.bind_later(self.lease)}))
         rows.sort(key=lambda r: (r.priority, r.id))
         return rows
 
@@ -269,11 +247,11 @@ class Store:
         stmt = (
             update(m)
             .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
-            .values(locked_until=self._later("lease"))
+            .values(locked_until=self.later("lease"))
             .returning(m.c.id)
         )
         with self.engine.begin() as conn:
-            return set(conn.execute(stmt, {"lease": self._bind_later(self.lease)}).scalars())
+            return set(conn.execute(stmt, {"lease": self.bind_later(self.lease)}).scalars())
 
     def release(self, claims: Iterable[tuple[int, int]]) -> int:
         """Hand back claims whose attempt never started: not an attempt, so the count is restored.
@@ -299,7 +277,7 @@ class Store:
                 locked_by=None,
                 locked_until=None,
                 attempts=m.c.attempts - 1,
-                updated_at=self._now(),
+                updated_at=self.now(),
             )
         )
         with self.engine.begin() as conn:
@@ -315,7 +293,7 @@ class Store:
         if that was its last attempt. Returns what was recovered, with the
         message's columns, so the relay can announce each retry or death.
         """
-        now = self._now()
+        now = self.now()
         expired = (
             select(*_CLAIMED, m.c.locked_by, m.c.locked_until, m.c.updated_at)
             .where(m.c.status == "running", m.c.locked_until < now)
@@ -337,7 +315,7 @@ class Store:
                 status="pending",
                 locked_by=None,
                 locked_until=None,
-                available_at=self._later("later"),
+                available_at=self.later("later"),
                 last_error=bindparam("err"),
                 updated_at=now,
             )
@@ -355,7 +333,7 @@ class Store:
                 if last:
                     taken = conn.execute(to_dead, params).rowcount
                 else:
-                    params["later"] = self._bind_later(timedelta(seconds=delay))
+                    params["later"] = self.bind_later(timedelta(seconds=delay))
                     taken = conn.execute(to_retry, params).rowcount
                 if not taken:
                     continue
@@ -375,141 +353,19 @@ class Store:
                     }
                 )
             if history:
-                conn.execute(self._history_insert(), history)
+                conn.execute(outcomes.history_insert(self.engine), history)
         return recovered
 
     # -- outcomes -----------------------------------------------------------------
 
-    def _history_insert(self) -> Any:
-        """History rows, each written once: a batch sent again after a lost reply appends nothing.
-
-        The unique index ``ux_outbox_attempt_once`` (message, attempt, outcome and the
-        relay's own start stamp) is what a re-sent row collides with.
-        """
-        if self.engine.dialect.name == "postgresql":
-            return pg_insert(a).on_conflict_do_nothing()
-        if self.engine.dialect.name == "sqlite":
-            return sqlite_insert(a).on_conflict_do_nothing()
-        return insert(a)
-
     def complete(self, results: Sequence[Completion]) -> None:
-        """Write a batch of attempt outcomes: message rows updated, history appended, one transaction.
-
-        A message row is only updated while this relay still holds its lease; if
-        another relay recovered it meanwhile, the attempt is still recorded (it
-        did happen), but the newer owner's state wins.
-        """
-        if not results:
-            return
-        now = self._now()
-        ours = and_(
-            m.c.id == bindparam("mid"),
-            m.c.locked_by == self.relay_id,
-            m.c.status == "running",
-            m.c.attempts == bindparam("att", type_=Integer()),
-        )
-        delivered = [{"mid": r.message_id, "att": r.attempt} for r in results if r.status == "delivered"]
-        retry = [
-            {
-                "mid": r.message_id,
-                "att": r.attempt,
-                "err": r.error,
-                "later": self._bind_later(timedelta(seconds=r.retry_in)),
-                "refund": int(r.refund),
-            }
-            for r in results
-            if r.status == "pending"
-        ]
-        dead = [
-            {"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "dead"
-        ]
-        with self.engine.begin() as conn:
-            if delivered:
-                conn.execute(
-                    update(m)
-                    .where(ours)
-                    .values(
-                        status="delivered",
-                        delivered_at=now,
-                        locked_by=None,
-                        locked_until=None,
-                        updated_at=now,
-                    ),
-                    delivered,
-                )
-            if retry:
-                conn.execute(
-                    update(m)
-                    .where(ours)
-                    .values(
-                        status="pending",
-                        available_at=self._later("later"),
-                        last_error=bindparam("err"),
-                        attempts=m.c.attempts - bindparam("refund", type_=Integer()),
-                        locked_by=None,
-                        locked_until=None,
-                        updated_at=now,
-                    ),
-                    retry,
-                )
-            if dead:
-                conn.execute(
-                    update(m)
-                    .where(ours)
-                    .values(
-                        status="dead",
-                        last_error=bindparam("err"),
-                        locked_by=None,
-                        locked_until=None,
-                        updated_at=now,
-                    ),
-                    dead,
-                )
-            conn.execute(
-                self._history_insert(),
-                [
-                    {
-                        "message_id": r.message_id,
-                        "attempt": r.attempt,
-                        "outcome": r.outcome,
-                        "started_at": r.started_at,
-                        "finished_at": r.finished_at,
-                        "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
-                        "relay_id": self.relay_id,
-                        "error_type": r.error_type,
-                        "error": r.error,
-                        "detail": r.detail,
-                    }
-                    for r in results
-                ],
-            )
+        """Write a batch of attempt outcomes in one transaction (see :func:`outcomes.write`)."""
+        outcomes.write(self, results)
 
     async def complete_on(self, conn: LoopConnection, results: Sequence[Completion]) -> None:
         """:meth:`complete` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if results:
-            await conn.execute(pg.COMPLETE, self._complete_params(results))
-
-    def _complete_params(self, results: Sequence[Completion]) -> dict[str, Any]:
-        batch = [
-            {
-                "id": r.message_id,
-                "attempt": r.attempt,
-                "status": r.status,
-                "outcome": r.outcome,
-                "error": r.error,
-                "error_type": r.error_type,
-                "delay": float(r.retry_in),
-                "refund": int(r.refund),
-                "started": r.started_at.isoformat(),
-                "finished": r.finished_at.isoformat(),
-                "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
-                "detail": r.detail,
-            }
-            for r in results
-        ]
-        # ASCII-escaped JSON: text the database cannot take (a lone surrogate) is then refused by
-        # the database, which the writer isolates, instead of failing to encode on the way out.
-        return {"me": self.relay_id, "batch": json.dumps(batch, allow_nan=False)}
+            await conn.execute(pg.COMPLETE, outcomes.batch_params(self.relay_id, results))
 
     # -- visibility -----------------------------------------------------------------
 

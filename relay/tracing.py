@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from outbox import Outbox, Route, __version__
 from outbox._tracing import Api, api, extract
 
-from .store import Completion
+from .outcomes import Completion
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer

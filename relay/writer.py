@@ -25,8 +25,8 @@ from outbox import Message, signals
 
 from .announce import send
 from .db import LoopConnection
+from .outcomes import Completion
 from .runtime import Runtime, backoff_delay, first_line, log
-from .store import Completion
 
 __all__ = ["OutcomeWriter"]
 

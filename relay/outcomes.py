@@ -1,0 +1,177 @@
+"""Attempt outcomes written back: the message rows moved on, one history row per attempt.
+
+A relay writes outcomes in batches, one transaction each (``writer``); this
+module holds what a batch is made of and the statements that store it, on
+either database. The hot path on psycopg sends the whole batch as one JSON
+parameter to ``sql_postgresql.COMPLETE``; everything else goes through
+SQLAlchemy here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Integer, and_, bindparam, insert, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Engine
+
+from outbox import outbox_attempt, outbox_message
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["Completion", "batch_params", "history_insert", "write"]
+
+m = outbox_message
+a = outbox_attempt
+
+
+@dataclass(slots=True)
+class Completion:
+    """The result of one attempt, written back in batches by :meth:`Store.complete`."""
+
+    message_id: int
+    attempt: int
+    outcome: str  # an ATTEMPT_OUTCOMES value
+    status: str  # the message's next status: delivered, pending (retry) or dead
+    started_at: datetime
+    finished_at: datetime
+    retry_in: float = 0.0
+    error_type: str | None = None
+    error: str | None = None
+    detail: dict[str, Any] | None = field(default=None)
+    #: a deferral that must not use up an attempt (an open circuit breaker, say)
+    refund: bool = False
+
+
+def history_insert(engine: Engine) -> Any:
+    """History rows, each written once: a batch sent again after a lost reply appends nothing.
+
+    The unique index ``ux_outbox_attempt_once`` (message, attempt, outcome and the
+    relay's own start stamp) is what a re-sent row collides with.
+    """
+    if engine.dialect.name == "postgresql":
+        return pg_insert(a).on_conflict_do_nothing()
+    if engine.dialect.name == "sqlite":
+        return sqlite_insert(a).on_conflict_do_nothing()
+    return insert(a)
+
+
+def write(store: Store, results: Sequence[Completion]) -> None:
+    """Write a batch of attempt outcomes: message rows updated, history appended, one transaction.
+
+    A message row is only updated while this relay still holds its lease; if
+    another relay recovered it meanwhile, the attempt is still recorded (it
+    did happen), but the newer owner's state wins.
+    """
+    if not results:
+        return
+    now = store.now()
+    ours = and_(
+        m.c.id == bindparam("mid"),
+        m.c.locked_by == store.relay_id,
+        m.c.status == "running",
+        m.c.attempts == bindparam("att", type_=Integer()),
+    )
+    delivered = [{"mid": r.message_id, "att": r.attempt} for r in results if r.status == "delivered"]
+    retry = [
+        {
+            "mid": r.message_id,
+            "att": r.attempt,
+            "err": r.error,
+            "later": store.bind_later(timedelta(seconds=r.retry_in)),
+            "refund": int(r.refund),
+        }
+        for r in results
+        if r.status == "pending"
+    ]
+    dead = [{"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "dead"]
+    with store.engine.begin() as conn:
+        if delivered:
+            conn.execute(
+                update(m)
+                .where(ours)
+                .values(
+                    status="delivered",
+                    delivered_at=now,
+                    locked_by=None,
+                    locked_until=None,
+                    updated_at=now,
+                ),
+                delivered,
+            )
+        if retry:
+            conn.execute(
+                update(m)
+                .where(ours)
+                .values(
+                    status="pending",
+                    available_at=store.later("later"),
+                    last_error=bindparam("err"),
+                    attempts=m.c.attempts - bindparam("refund", type_=Integer()),
+                    locked_by=None,
+                    locked_until=None,
+                    updated_at=now,
+                ),
+                retry,
+            )
+        if dead:
+            conn.execute(
+                update(m)
+                .where(ours)
+                .values(
+                    status="dead",
+                    last_error=bindparam("err"),
+                    locked_by=None,
+                    locked_until=None,
+                    updated_at=now,
+                ),
+                dead,
+            )
+        conn.execute(
+            history_insert(store.engine),
+            [
+                {
+                    "message_id": r.message_id,
+                    "attempt": r.attempt,
+                    "outcome": r.outcome,
+                    "started_at": r.started_at,
+                    "finished_at": r.finished_at,
+                    "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
+                    "relay_id": store.relay_id,
+                    "error_type": r.error_type,
+                    "error": r.error,
+                    "detail": r.detail,
+                }
+                for r in results
+            ],
+        )
+
+
+def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]:
+    """The parameters of ``sql_postgresql.COMPLETE``: the whole batch as one JSON document."""
+    batch = [
+        {
+            "id": r.message_id,
+            "attempt": r.attempt,
+            "status": r.status,
+            "outcome": r.outcome,
+            "error": r.error,
+            "error_type": r.error_type,
+            "delay": float(r.retry_in),
+            "refund": int(r.refund),
+            "started": r.started_at.isoformat(),
+            "finished": r.finished_at.isoformat(),
+            "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
+            "detail": r.detail,
+        }
+        for r in results
+    ]
+    # ASCII-escaped JSON: text the database cannot take (a lone surrogate) is then refused by
+    # the database, which the writer isolates, instead of failing to encode on the way out.
+    return {"me": relay_id, "batch": json.dumps(batch, allow_nan=False)}
