@@ -37,7 +37,6 @@ import ipaddress
 import logging
 import math
 import os
-import re
 import ssl as ssl_module
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -52,11 +51,11 @@ from ._mail import (
     InvalidAddress,
     bad_header_text,
     build_mail,
-    checked_header,
     message_id_for,
     parse_address,
     parse_recipients,
 )
+from ._mail_body import environment, payload_mapping, ready_body, render, template_request, templates_of
 from ._ratelimit import RateLimited, RateLimiter
 from ._sentlog import SentLog, SentRecord, email_metadata, outbox_email_sent
 from ._smtp import SmtpSettings, transact
@@ -65,14 +64,12 @@ if TYPE_CHECKING:
     from email.headerregistry import Address
     from email.message import EmailMessage
 
-    from jinja2 import BaseLoader, Environment, Template
+    from jinja2 import BaseLoader
 
 __all__ = ["EmailHandler", "RateLimiter", "SentLog", "SentRecord", "email_metadata", "outbox_email_sent"]
 
 log = logging.getLogger("outbox.integrations.email")
 
-_TEMPLATE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
-_INSTALL_HINT = "email templates need Jinja2: pip install 'sqlalchemy-outbox[email]'"
 #: The longest a delivery holds its worker thread waiting for the rate limit; a longer wait is
 #: handed back to the relay as a deferral that does not use up an attempt. With the default
 #: route timeout (30 s) and SMTP timeout (20 s), wait plus conversation still fit the route's.
@@ -158,7 +155,7 @@ class EmailHandler:
             else RateLimiter(rate_limit)
         )
         self.context_loader = context_loader
-        self._templates = _environment(templates) if templates is not None else None
+        self._templates = environment(templates) if templates is not None else None
         if password is not None and not (starttls or ssl) and not _is_loopback(host):
             log.warning(
                 "EmailHandler for %s:%d sends its password unencrypted: set starttls=True or ssl=True",
@@ -187,7 +184,7 @@ class EmailHandler:
 
     def build(self, message: Message) -> EmailMessage:
         """The mail ``message`` sends, without sending it (previews, tests); raises PermanentError."""
-        payload = _mapping(message.payload)
+        payload = payload_mapping(message.payload)
         recipients = parse_recipients(payload.get("to"))
         return build_mail(self._sender, recipients, self._body(message, payload), self.message_id(message))
 
@@ -201,45 +198,20 @@ class EmailHandler:
         server's verdict on a recipient can only come then too.
         """
         try:
-            payload = _mapping(payload)
+            payload = payload_mapping(payload)
             parse_recipients(payload.get("to"))
             if "template" in payload:
-                env, name, _ = self._template_request(payload)
-                _templates(env, name)
+                env, name, _ = template_request(self._templates, payload)
+                templates_of(env, name)
             else:
-                _ready_body(payload)
+                ready_body(payload)
         except PermanentError as exc:
             raise PayloadError(str(exc)) from None
 
     def _body(self, message: Message, payload: Mapping[str, Any]) -> Body:
-        if "template" in payload:
-            return self._render(message, *self._template_request(payload))
-        return _ready_body(payload)
-
-    def _template_request(self, payload: Mapping[str, Any]) -> tuple[Environment, str, dict[str, Any]]:
-        """The environment, template name and payload context of a templated mail, all checked."""
-        if "subject" in payload or "text" in payload or "html" in payload:
-            raise PermanentError(
-                "payload gives both 'template' and 'subject'/'text'/'html'; use one or the other",
-                detail={"reason": "bad_payload"},
-            )
-        env = self._templates
-        if env is None:
-            raise PermanentError(
-                "payload names a template but this EmailHandler has no templates=",
-                detail={"reason": "no_templates"},
-            )
-        name = payload["template"]
-        if not isinstance(name, str) or not _TEMPLATE_NAME.match(name) or ".." in name:
-            raise PermanentError(f"invalid template name {name!r}", detail={"reason": "bad_template_name"})
-        context = payload.get("context", {})
-        if not isinstance(context, Mapping):
-            raise PermanentError("payload 'context' must be an object", detail={"reason": "bad_payload"})
-        return env, name, dict(context)
-
-    def _render(self, message: Message, env: Environment, name: str, context: dict[str, Any]) -> Body:
-        from jinja2 import TemplateError
-
+        if "template" not in payload:
+            return ready_body(payload)
+        env, name, context = template_request(self._templates, payload)
         if self.context_loader is not None:
             loaded = self.context_loader(message)
             if not isinstance(loaded, Mapping):
@@ -248,19 +220,7 @@ class EmailHandler:
                     detail={"reason": "bad_context"},
                 )
             context.update(loaded)
-        subject, text, html = _templates(env, name)
-        try:
-            body = Body(
-                checked_header("subject", subject.render(context)),
-                None if text is None else text.render(context),
-                None if html is None else html.render(context),
-            )
-        except TemplateError as exc:  # undefined variable, sandbox violation, missing include
-            raise PermanentError(
-                f"template {name} failed: {type(exc).__name__}: {exc}",
-                detail={"reason": "template_error", "template": name},
-            ) from None
-        return body
+        return render(env, name, context)
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -335,61 +295,6 @@ class EmailHandler:
         return text
 
 
-def _mapping(payload: Any) -> Mapping[str, Any]:
-    if not isinstance(payload, Mapping):
-        raise PermanentError("an email payload must be a JSON object", detail={"reason": "bad_payload"})
-    return payload
-
-
-def _ready_body(payload: Mapping[str, Any]) -> Body:
-    """The subject and bodies a payload without a template gives, checked."""
-    subject, text, html = payload.get("subject"), payload.get("text"), payload.get("html")
-    if subject is None:
-        raise PermanentError(
-            "payload needs 'subject' with 'text' and/or 'html', or 'template' with 'context'",
-            detail={"reason": "bad_payload"},
-        )
-    if not all(part is None or isinstance(part, str) for part in (text, html)) or text is html is None:
-        raise PermanentError("payload needs 'text' and/or 'html' strings", detail={"reason": "bad_payload"})
-    return Body(checked_header("subject", subject), text, html)
-
-
-def _templates(env: Environment, name: str) -> tuple[Template, Template | None, Template | None]:
-    """The subject, text and html templates of ``name`` (compiled once, then cached by Jinja2).
-
-    PermanentError when they cannot make a mail: no subject template, neither
-    body, or a template that does not compile.
-    """
-    from jinja2 import TemplateError, TemplateNotFound
-
-    found: dict[str, Template | None] = {}
-    try:
-        for suffix in ("subject.txt", "txt", "html"):
-            try:
-                found[suffix] = env.get_template(f"{name}.{suffix}")
-            except TemplateNotFound as exc:
-                if exc.name != f"{name}.{suffix}":
-                    raise
-                found[suffix] = None
-    except TemplateError as exc:
-        raise PermanentError(
-            f"template {name} failed: {type(exc).__name__}: {exc}",
-            detail={"reason": "template_error", "template": name},
-        ) from None
-    subject = found["subject.txt"]
-    if subject is None:
-        raise PermanentError(
-            f"template {name}.subject.txt not found (a template needs a subject)",
-            detail={"reason": "template_not_found", "template": f"{name}.subject.txt"},
-        )
-    if found["txt"] is None and found["html"] is None:
-        raise PermanentError(
-            f"template {name} has neither {name}.txt nor {name}.html",
-            detail={"reason": "template_not_found", "template": name},
-        )
-    return subject, found["txt"], found["html"]
-
-
 def _secret_forms(username: str | None, password: str | None) -> tuple[str, ...]:
     if not password:
         return ()
@@ -405,31 +310,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _environment(templates: Any) -> Environment:
-    try:
-        from jinja2 import BaseLoader, FileSystemLoader, StrictUndefined, select_autoescape
-        from jinja2.sandbox import SandboxedEnvironment
-    except ImportError:
-        raise ConfigurationError(_INSTALL_HINT) from None
-    if isinstance(templates, BaseLoader):
-        loader: BaseLoader = templates
-    elif isinstance(templates, str | os.PathLike):
-        if not os.path.isdir(templates):
-            raise ConfigurationError(
-                f"EmailHandler: templates folder {os.fspath(templates)!r} does not exist"
-            )
-        loader = FileSystemLoader(os.fspath(templates))
-    else:
-        raise ConfigurationError(
-            f"EmailHandler: templates must be a folder or a jinja2 loader, got {type(templates).__name__}"
-        )
-    # Autoescape by file name: .html is escaped, the .txt bodies and subject lines are not.
-    return SandboxedEnvironment(
-        loader=loader,
-        autoescape=select_autoescape(
-            enabled_extensions=("html", "htm"), default_for_string=False, default=False
-        ),
-        undefined=StrictUndefined,
-    )
