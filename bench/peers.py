@@ -49,47 +49,47 @@ def run_peers(
         defaults = dataclasses.replace(settings, default_sizes=True)
         out["drain_default_flags"] = " ".join(defaults.args())
         for n in (1, 2):
-            figures = mode(
-                f"drain, {n} relay(s), outbox-relay's default sizes",
-                partial(
-                    drain_postgres,
-                    scratch,
-                    relay_count=n,
-                    count=count,
-                    settings=defaults,
-                    purpose=f"draindefault{n}",
-                ),
+            run = partial(
+                drain_postgres,
+                scratch,
+                relay_count=n,
+                count=count,
+                settings=defaults,
+                purpose=f"draindefault{n}",
             )
-            if figures:
-                out[f"drain_default_per_s_{n}"] = figures["per_s"]
+            _record_rate(
+                mode,
+                out,
+                f"drain_default_per_s_{n}",
+                f"drain, {n} relay(s), outbox-relay's default sizes",
+                run,
+            )
     if want("rawqueue"):
         from .rawqueue import BATCH, rawqueue
 
         out["rawqueue_batch"] = BATCH
         for n in (1, 2):
-            figures = mode(
-                f"raw queue without history, {n} worker(s)",
-                partial(rawqueue, scratch, workers=n, count=count),
-            )
-            if figures:
-                out[f"rawqueue_per_s_{n}"] = figures["per_s"]
-            leased = mode(
-                f"raw queue without history, under a lease, {n} worker(s)",
-                partial(rawqueue, scratch, workers=n, count=count, variant="lease"),
-            )
-            if leased:
-                out[f"rawqueue_lease_per_s_{n}"] = leased["per_s"]
+            run = partial(rawqueue, scratch, workers=n, count=count)
+            _record_rate(mode, out, f"rawqueue_per_s_{n}", f"raw queue without history, {n} worker(s)", run)
+            leased = partial(rawqueue, scratch, workers=n, count=count, variant="lease")
+            label = f"raw queue without history, under a lease, {n} worker(s)"
+            _record_rate(mode, out, f"rawqueue_lease_per_s_{n}", label, leased)
     if want("pgqueuer"):
         from .pgqueuer_peer import pgqueuer_drain  # pgqueuer only when this mode runs
 
         for n in (1, 2):
-            figures = mode(
-                f"pgqueuer drain, {n} worker(s)",
-                partial(pgqueuer_drain, scratch, workers=n, count=count),
-            )
-            if figures:
-                out[f"pgqueuer_per_s_{n}"] = figures["per_s"]
+            run = partial(pgqueuer_drain, scratch, workers=n, count=count)
+            _record_rate(mode, out, f"pgqueuer_per_s_{n}", f"pgqueuer drain, {n} worker(s)", run)
     out.update(peer_ratios(out))
+
+
+def _record_rate(
+    mode: Mode, out: dict[str, Any], key: str, label: str, run: Callable[[], dict[str, Any]]
+) -> None:
+    """Run one timed mode; its msg/s goes under ``key`` when it verified."""
+    figures = mode(label, run)
+    if figures:
+        out[key] = figures["per_s"]
 
 
 def peer_ratios(out: dict[str, Any]) -> dict[str, float]:

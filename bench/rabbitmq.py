@@ -29,7 +29,7 @@ from outbox import Message
 from outbox._outbox import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE
 from outbox.integrations._envelope import envelope
 
-from .drain import RelaySettings
+from .drain import RelaySettings, _timeout
 from .harness import _PG_PREFILL, Scratch, conninfo, relays, wait_drained, wait_listening
 from .verify import Expected, Unverified, check_delivered, drain_window
 
@@ -133,7 +133,7 @@ def rabbitmq_publish(scratch: Scratch, *, broker: str, count: int, settings: Rel
             wait_listening(url, procs)
             idle_cpu = procs[0].cpu_seconds()
             committed = _prefill(url, count)
-            wait_drained(url, count, procs, 60.0 + count / 200)
+            wait_drained(url, count, procs, _timeout(count))
             cpu = procs[0].cpu_seconds() - idle_cpu
             procs[0].stop()
         check_delivered(url, Expected(count, relays=[procs[0].name]))
