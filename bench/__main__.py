@@ -32,6 +32,7 @@ from .scale import add_arguments as add_scale_arguments
 from .scale import scale_mode
 from .scale import targets as scale_targets
 from .tracing import emit_tracing_overhead
+from .verdicts import rate_ratio_verdict, verdict
 from .verify import Unverified
 
 #: The flat JSON keys the issue fixes, so runs compare across commits; extras follow them.
@@ -450,10 +451,6 @@ def _fmt(value: Any, spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
-def _verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("PASS" if ok else "FAIL")
-
-
 def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(mode, figure, target, verdict) rows; a verdict is '-' where a figure is missing or has no target."""
 
@@ -471,7 +468,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"{_fmt(out.get('emit_tracing_overhead_with'), '.3f')}, ratio {_fmt(tracing, '.3f')} "
             f"({_fmt(out.get('emit_tracing_inject_us'), '.1f')} us/emit to store the context)",
             "ratio <= 1.05",
-            _verdict(None if tracing is None else tracing <= 1.05),
+            verdict(None if tracing is None else tracing <= 1.05),
         )
     )
     rows.append(("2 drain, 1 relay", f"{_fmt(out.get('drain_per_s_1'), ',.0f')} msg/s", "", "-"))
@@ -481,7 +478,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "2 drain, 2 relays",
             f"{_fmt(out.get('drain_per_s_2'), ',.0f')} msg/s",
             "> 1 relay",
-            _verdict(two_ok),
+            verdict(two_ok),
         )
     )
     rows.append(("3 ceiling (raw psycopg)", f"{_fmt(out.get('ceiling_per_s'), ',.0f')} msg/s", "", "-"))
@@ -491,7 +488,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "3 drain / ceiling",
             _fmt(None if share is None else 100 * share, ".0f", " %"),
             ">= 60 %",
-            _verdict(None if share is None else share >= 0.60),
+            verdict(None if share is None else share >= 0.60),
         )
     )
     rows.extend(peer_rows(out))
@@ -503,7 +500,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"p50 {_fmt(p50, '.2f')} / p95 {_fmt(out.get('latency_ms_p95'), '.2f')} / "
             f"p99 {_fmt(p99, '.2f')} ms",
             "p50 <= 2, p99 <= 3 ms",
-            _verdict(None if p50 is None or p99 is None else p50 <= 2 and p99 <= 3),
+            verdict(None if p50 is None or p99 is None else p50 <= 2 and p99 <= 3),
         )
     )
     rows.append(
@@ -521,7 +518,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "6 relay peak RSS",
             f"{_fmt(small, '.1f')} MB @10k, {_fmt(large, '.1f')} MB @100k",
             "@100k within 10 % of @10k",
-            _verdict(None if small is None or large is None else large <= small * 1.10),
+            verdict(None if small is None or large is None else large <= small * 1.10),
         )
     )
     if "messages_rabbitmq" in out:
@@ -533,7 +530,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 f"{_fmt(out.get('rabbitmq_direct_per_s'), ',.0f')} msg/s, ratio {_fmt(ratio, '.2f')}; "
                 f"relay CPU {_fmt(out.get('rabbitmq_relay_cpu_us_per_msg'), '.0f')} us/msg",
                 "ratio >= 0.70",
-                _verdict(None if ratio is None else ratio >= 0.70),
+                rate_ratio_verdict(out, None if ratio is None else ratio >= 0.70),
             )
         )
     if "messages_nats" in out:
@@ -545,7 +542,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 f"msg/s, ratio {_fmt(ratio, '.2f')}; relay CPU "
                 f"{_fmt(out.get('nats_relay_cpu_us_per_msg'), '.0f')} us/msg",
                 "ratio >= 0.70",
-                _verdict(None if ratio is None else ratio >= 0.70),
+                rate_ratio_verdict(out, None if ratio is None else ratio >= 0.70),
             )
         )
     if "sqlite_emit_overhead_ratio" in out or "sqlite_drain_per_s_1" in out:
@@ -580,7 +577,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     f"7 dashboard {label}",
                     f"p50 {_fmt(out.get(f'dashboard_{key}_ms_p50'), '.1f')} / p95 {_fmt(p95, '.1f')} ms",
                     f"p95 <= {DASHBOARD_P95_MS:.0f} ms",
-                    _verdict(None if p95 is None else p95 <= DASHBOARD_P95_MS),
+                    verdict(None if p95 is None else p95 <= DASHBOARD_P95_MS),
                 )
             )
         for key, label in DASHBOARD_GIN[:1]:
@@ -590,7 +587,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     f"7 dashboard {label}",
                     f"p50 {_fmt(out.get(f'dashboard_{key}_ms_p50'), '.1f')} / p95 {_fmt(p95, '.1f')} ms",
                     f"p95 <= {DASHBOARD_P95_MS:.0f} ms",
-                    _verdict(None if p95 is None else p95 <= DASHBOARD_P95_MS),
+                    verdict(None if p95 is None else p95 <= DASHBOARD_P95_MS),
                 )
             )
         for key, label in DASHBOARD_COUNTS + DASHBOARD_GIN[1:]:

@@ -44,6 +44,7 @@ from typing import Any
 
 from .drain import RelaySettings
 from .harness import Scratch, prefill, relays, wait_drained
+from .verdicts import rate_ratio_verdict
 from .verify import Expected, check_delivered, drain_window, read_traces
 
 __all__ = ["BACKLOG_MODES", "backlog", "backlog_ratios", "backlog_rows", "flag_sets", "run_backlog"]
@@ -229,16 +230,13 @@ def backlog_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             )
         span = out.get(f"backlog_once_vs_serve_{flags}")
         wall = out.get(f"backlog_once_vs_serve_wall_{flags}")
-        verdict = "-"
-        # At --quick's 2,000 messages start-up and exit outweigh the delivery: no verdict there.
-        if span is not None and wall is not None and not out.get("quick"):
-            verdict = "PASS" if min(span, wall) >= ONCE_VS_SERVE_MIN else "FAIL"
+        both = None if span is None or wall is None else min(span, wall) >= ONCE_VS_SERVE_MIN
         rows.append(
             (
                 f"3 --once / serve, {flags} flags",
                 f"{_fmt(span, '.2f')} over the history, {_fmt(wall, '.2f')} from spawn",
                 f">= {ONCE_VS_SERVE_MIN:.2f} both",
-                verdict,
+                rate_ratio_verdict(out, both),
             )
         )
     return rows

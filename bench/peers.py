@@ -22,6 +22,7 @@ from typing import Any
 
 from .drain import RelaySettings, drain_postgres
 from .harness import Scratch
+from .verdicts import rate_ratio_verdict
 
 __all__ = ["PEER_MODES", "peer_rows", "run_peers"]
 
@@ -134,7 +135,7 @@ def peer_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     f"16 default sizes / {peer}, {n} process{'es' if n == 2 else ''}",
                     "n/a" if ratio is None else f"{ratio:.2f}",
                     f">= {target:.1f}",
-                    "-" if ratio is None else ("PASS" if ratio >= target else "FAIL"),
+                    rate_ratio_verdict(out, None if ratio is None else ratio >= target),
                 )
             )
         lease = out.get(f"default_vs_rawqueue_lease_{n}")

@@ -58,6 +58,7 @@ from .app import ob
 from .bulk import fill_history, fill_session, vacuum_analyze
 from .drain import RelaySettings
 from .harness import RelayProcess, Scratch, conninfo, prefill, relays, wait_listening
+from .verdicts import verdict
 from .verify import Expected, Unverified, read_traces
 
 __all__ = ["ClaimPlan", "add_arguments", "figures", "scale", "scale_mode", "targets"]
@@ -445,10 +446,6 @@ def _claim_buffers(plan: ClaimPlan) -> int | None:
     return None if found is None else int(found.group(1)) + int(found.group(2) or 0)
 
 
-def _verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("PASS" if ok else "FAIL")
-
-
 def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """The scale mode's rows of the result table (none when it did not run)."""
     if "scale_pending" not in out:
@@ -471,14 +468,14 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"{fmt('scale_vs_small', '.2f')}; first {fmt('scale_small', ',d')}: "
             f"{fmt('scale_vs_small_first', '.2f')}",
             f">= {SCALE_VS_SMALL:.1f}",
-            _verdict(None if ratio is None or first is None else min(ratio, first) >= SCALE_VS_SMALL),
+            verdict(None if ratio is None or first is None else min(ratio, first) >= SCALE_VS_SMALL),
         ),
         (
             "6 claim query, before the big drain",
             f"{fmt('scale_claim_ms_small', '.1f')} ms small, {fmt('scale_claim_ms_big', '.1f')} ms big "
             f"({fmt('scale_claim_ms_big_default_jit', '.1f')} ms with the server's jit)",
             "flat",
-            _verdict(None if small_ms is None or big_ms is None else big_ms <= max(2 * small_ms, 5.0)),
+            verdict(None if small_ms is None or big_ms is None else big_ms <= max(2 * small_ms, 5.0)),
         ),
         (
             "6 claim query, late in the big drain",
@@ -486,12 +483,12 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             f"{fmt('scale_claim_buffers_big_late', ',d')} buffers "
             f"(before: {fmt('scale_claim_buffers_big', ',d')})",
             "flat",
-            _verdict(None if small_ms is None or late is None else late <= max(2 * small_ms, 5.0)),
+            verdict(None if small_ms is None or late is None else late <= max(2 * small_ms, 5.0)),
         ),
         (
             "6 relay RSS over the big drain",
             f"{fmt('scale_rss_mb_start', '.1f')} MB -> {fmt('scale_rss_mb_end', '.1f')} MB",
             "within 10 %",
-            _verdict(None if start is None or end is None else end <= start * 1.10),
+            verdict(None if start is None or end is None else end <= start * 1.10),
         ),
     ]

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import URL
 
+from bench.__main__ import targets
 from bench.drain import RelaySettings
 from bench.harness import Scratch, conninfo
 from bench.peers import peer_ratios, peer_rows
@@ -133,3 +134,22 @@ def test_ratios_and_target_lines_follow_the_rates() -> None:
     assert verdicts["16 default sizes / pgqueuer, 2 processes"] == "PASS"
     assert verdicts["16 default sizes / rawqueue, 2 processes"] == "-"
     assert peer_rows({"drain_per_s_1": 1.0}) == []
+    # A quick run's rates are mostly start-up: its ratios get no verdict.
+    assert {row[3] for row in peer_rows({**out, **ratios, "quick": True})} == {"-"}
+
+
+def test_broker_ratios_get_a_verdict_in_full_runs_only() -> None:
+    out = {
+        "messages_nats": 20000,
+        "nats_ratio": 0.5,
+        "messages_rabbitmq": 20000,
+        "rabbitmq_ratio": 0.8,
+        "drain_per_s_1": 1.0,
+        "drain_per_s_2": 2.0,
+    }
+    verdicts = {row[0]: row[3] for row in targets(out)}
+    assert verdicts["NATS publish (outbox / raw)"] == "FAIL"
+    assert verdicts["RabbitMQ publish (outbox / direct)"] == "PASS"
+    quick = {row[0]: row[3] for row in targets({**out, "quick": True})}
+    assert quick["NATS publish (outbox / raw)"] == quick["RabbitMQ publish (outbox / direct)"] == "-"
+    assert quick["2 drain, 2 relays"] == "PASS"  # a comparison within the outbox keeps its verdict
