@@ -42,8 +42,10 @@ class Api:
         "get_all_baggage",
         "get_current_span",
         "get_tracer",
+        "get_tracer_provider",
         "inject",
         "set_span_in_context",
+        "unrecording_providers",
     )
 
     def __init__(self) -> None:
@@ -55,6 +57,9 @@ class Api:
         self.get_current_span = trace.get_current_span
         self.set_span_in_context = trace.set_span_in_context
         self.get_tracer = trace.get_tracer
+        self.get_tracer_provider = trace.get_tracer_provider
+        #: The global provider before an SDK is set (the proxy), or one set to record nothing.
+        self.unrecording_providers = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
         self.Link = trace.Link
         self.SpanKind = trace.SpanKind
         self.Status = trace.Status

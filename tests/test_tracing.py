@@ -432,3 +432,57 @@ def test_importing_the_package_does_not_load_opentelemetry():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+_GLOBAL_PROVIDER_LATER = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import create_engine
+from sqlalchemy.orm import sessionmaker
+
+import outbox
+from outbox import Outbox, emit
+from outbox.relay import Relay
+
+url = "sqlite:///" + sys.argv[1]
+outbox.upgrade(url)
+engine = create_engine(url)
+seen = []
+ob = Outbox()  # no tracer_provider: the relay uses the global one, whenever it is set
+ob.route("order.paid", lambda message: seen.append(trace.get_current_span().is_recording()), name="ship")
+factory = sessionmaker(engine)
+ob.install(factory)
+relay = Relay(ob, engine)
+
+def deliver(n):
+    with factory() as s, s.begin():
+        emit(s, "order.paid", {"n": n})
+    assert relay.run_until_idle().delivered == 1
+
+deliver(1)  # the API without an SDK: nothing records
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+deliver(2)  # the same relay, once the application has set its provider
+names = sorted(s.name for s in exporter.get_finished_spans())
+assert seen == [False, True], seen
+assert names == ["claim default", "process ship"], names
+print("ok")
+"""
+
+
+def test_a_global_provider_set_after_the_relay_started_gets_the_spans(tmp_path):
+    # In a process of its own: the global provider can be set once per process.
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_GLOBAL_PROVIDER_LATER), str(tmp_path / "outbox.db")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
