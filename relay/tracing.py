@@ -133,16 +133,17 @@ class RelayTracing:
             )
         self._child = outbox.trace_parent == "child"
         self._global = self._otel is not None and outbox.tracer_provider is None
+        self._unrecorded = False  # until the first claim looks
         self._systems = {name: _system_of(route) for name, route in routes.items()}
 
-    def _unrecorded(self) -> bool:
-        """No SDK behind the global provider (yet): a span would record nothing.
+    def _look_at_the_provider(self) -> None:
+        """Note whether an SDK is behind the global provider: without one, a span records nothing.
 
-        Asked per attempt, not once, because the application may set its
+        Asked at every claim, not once, because the application may set its
         provider after the relay started; the global tracer follows it then.
         """
         otel = self._otel
-        return (
+        self._unrecorded = (
             self._global
             and otel is not None
             and isinstance(otel.get_tracer_provider(), otel.unrecording_providers)
@@ -156,7 +157,10 @@ class RelayTracing:
     def claimed(self, queue: str, count: int, started: int) -> None:
         """The ``claim {queue}`` span of a claim that returned ``count`` messages."""
         otel, tracer = self._otel, self._tracer
-        if otel is None or tracer is None or self._unrecorded():
+        if otel is None or tracer is None:
+            return
+        self._look_at_the_provider()  # for this claim's attempts too
+        if self._unrecorded:
             return
         span = tracer.start_span(
             f"claim {queue}",
@@ -177,13 +181,13 @@ class RelayTracing:
         """The attempt's span as a context manager: current inside, ended on exit.
 
         In link mode the stored context is only read once the span is known to
-        record: with the API but no SDK, an attempt costs one look at the
-        global provider.
+        record: with the API but no SDK, an attempt costs nothing more (the
+        claim that brought it looked at the global provider).
         """
         otel, tracer = self._otel, self._tracer
         if otel is None or tracer is None:
             return _UNTRACED
-        if not self._child and self._unrecorded():
+        if not self._child and self._unrecorded:
             # The API without an SDK: the no-op span of link mode would carry no context either,
             # so skip building it (its attributes and the event id's text were 7 % of a no-op
             # delivery's CPU).
