@@ -192,7 +192,12 @@ class Claimer:
             try:
                 with rt.tracing.process(queue, row) as traced:  # current while the handler runs
                     message, completion = await attempt(
-                        route, row, executor=self._handler_pool, redactor=rt.redactor, rng=rt.rng
+                        route,
+                        row,
+                        executor=self._handler_pool,
+                        redactor=rt.redactor,
+                        rng=rt.rng,
+                        is_async=route.name in rt.async_routes,
                     )
                     traced.outcome(completion)
             except asyncio.CancelledError:

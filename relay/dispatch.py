@@ -59,8 +59,8 @@ def is_async_handler(handler: Any) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
-async def _invoke(handler: Any, message: Message, executor: Executor) -> Any:
-    if is_async_handler(handler):
+async def _invoke(handler: Any, message: Message, executor: Executor, *, is_async: bool) -> Any:
+    if is_async:
         return await handler(message)
     loop = asyncio.get_running_loop()
     context = contextvars.copy_context()
@@ -88,6 +88,7 @@ async def attempt(
     executor: Executor,
     redactor: Redactor,
     rng: random.Random,
+    is_async: bool,
 ) -> tuple[Message, Completion]:
     """Run one delivery attempt; never raises except on cancellation of the relay itself.
 
@@ -109,7 +110,7 @@ async def attempt(
     returned: Any = None
     try:
         async with deadline:
-            returned = await _invoke(route.handler, message, executor)
+            returned = await _invoke(route.handler, message, executor, is_async=is_async)
     except TimeoutError as exc:
         if not deadline.expired():  # the handler's own TimeoutError (a socket, say): a plain failure
             outcome = "failed"

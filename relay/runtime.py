@@ -23,6 +23,7 @@ from outbox import Backoff, Outbox, Route
 from outbox._first_line import first_line
 from outbox._redact import Redactor
 
+from .dispatch import is_async_handler
 from .metrics import RelayMetrics
 from .store import Store
 from .tracing import RelayTracing
@@ -114,6 +115,9 @@ class Runtime:
         self.routes = routes
         self.handlers = sorted(routes)
         self.backoffs: dict[str, Backoff] = {r.name: r.backoff for r in routes.values()}
+        #: Routes whose handler is awaited on the loop (the others run in threads); asked once per
+        #: run, not per delivery, where inspecting the handler was 3 % of a no-op delivery's CPU.
+        self.async_routes = frozenset(r.name for r in routes.values() if is_async_handler(r.handler))
         self.redactor = redactor
         self.rng = rng
         self.metrics = metrics

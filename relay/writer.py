@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
 
@@ -220,28 +222,23 @@ class OutcomeWriter:
         rt = self._rt
         if rt.metrics is not None:
             rt.metrics.observe(message, completion)
-        extra = {
-            "relay_id": rt.id,
-            "message_id": message.id,
-            "handler": message.handler,
-            "event_type": message.event_type,
-            "attempt": message.attempt,
-            "outcome": completion.outcome,
-        }
         duration = (completion.finished_at - completion.started_at).total_seconds()
         if completion.status == "delivered":
             rt.result.delivered += 1
-            log.info(
-                "delivered %s #%d to %s (attempt %d, %.0f ms)",
-                message.event_type,
-                message.id,
-                message.handler,
-                message.attempt,
-                duration * 1000,
-                extra={"action": "deliver", **extra},
-            )
+            if log.isEnabledFor(logging.INFO):  # a relay at WARNING builds no fields for each delivery
+                log.info(
+                    "delivered %s #%d to %s (attempt %d, %.0f ms)",
+                    message.event_type,
+                    message.id,
+                    message.handler,
+                    message.attempt,
+                    duration * 1000,
+                    extra={"action": "deliver", **self._fields(message, completion)},
+                )
             send(signals.message_delivered, rt.outbox, relay=rt.relay, message=message, duration=duration)
-        elif completion.status == "pending":
+            return
+        extra = self._fields(message, completion)
+        if completion.status == "pending":
             rt.result.retried += 1
             log.warning(
                 "%s #%d to %s failed (%s: %s); retry in %.1fs",
@@ -276,3 +273,14 @@ class OutcomeWriter:
                 extra={"action": "dead", **extra},
             )
             send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=completion.error)
+
+    def _fields(self, message: Message, completion: Completion) -> dict[str, Any]:
+        """The structured fields of an outcome's log line."""
+        return {
+            "relay_id": self._rt.id,
+            "message_id": message.id,
+            "handler": message.handler,
+            "event_type": message.event_type,
+            "attempt": message.attempt,
+            "outcome": completion.outcome,
+        }
