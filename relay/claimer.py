@@ -20,6 +20,7 @@ from outbox import Message, signals
 
 from .announce import send
 from .db import LoopConnection
+from .deadline import Deadline
 from .dispatch import attempt, to_message
 from .outcomes import Completion
 from .runtime import Runtime, log
@@ -175,17 +176,26 @@ class Claimer:
                 relay=self._rt.relay,
                 messages=[to_message(r) for r in rows],
             )
+        deadlines = self._deadlines(rows)
         for row in rows:
             self._by_queue[queue] += 1
-            task = asyncio.create_task(self._deliver(queue, row), name=f"outbox-message-{row.id}")
+            deadline = deadlines[self._rt.routes[row.handler].timeout]
+            task = asyncio.create_task(self._deliver(queue, row, deadline), name=f"outbox-message-{row.id}")
             self.inflight[row.id, row.attempts] = task
+
+    def _deadlines(self, rows: list[Any]) -> dict[float, Deadline]:
+        """One timer per route timeout among the claimed rows: their deliveries all start now."""
+        routes = self._rt.routes
+        starting = Counter(routes[row.handler].timeout for row in rows)
+        return {timeout: Deadline(self._rt.loop, timeout, n) for timeout, n in starting.items()}
 
     # -- delivering ---------------------------------------------------------------
 
-    async def _deliver(self, queue: str, row: Any) -> None:
+    async def _deliver(self, queue: str, row: Any, deadline: Deadline) -> None:
         rt = self._rt
         try:
             if rt.stopping:
+                deadline.skip()
                 return  # stays unstarted: the shutdown releases it
             self._unstarted.pop((row.id, row.attempts), None)
             route = rt.routes[row.handler]
@@ -198,6 +208,7 @@ class Claimer:
                         redactor=rt.redactor,
                         rng=rt.rng,
                         is_async=route.name in rt.async_routes,
+                        deadline=deadline,
                     )
                     traced.outcome(completion)
             except asyncio.CancelledError:

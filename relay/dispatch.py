@@ -23,6 +23,7 @@ from typing import Any
 from outbox import Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
+from .deadline import Deadline
 from .outcomes import Completion
 from .store import utcnow
 
@@ -89,6 +90,7 @@ async def attempt(
     redactor: Redactor,
     rng: random.Random,
     is_async: bool,
+    deadline: Deadline,
 ) -> tuple[Message, Completion]:
     """Run one delivery attempt; never raises except on cancellation of the relay itself.
 
@@ -105,14 +107,22 @@ async def attempt(
     detail: dict[str, Any] | None = None
     last = message.attempt >= row.max_attempts
     refund = False
-    # asyncio.timeout, not wait_for: no extra Task per message on the hot path.
-    deadline = asyncio.timeout(route.timeout)
+    # The claim's shared timer (relay/deadline.py), not a timer and a task per delivery.
+    task = asyncio.current_task()
+    assert task is not None
     returned: Any = None
+    timed_out = False
+    deadline.enter(task)
     try:
-        async with deadline:
+        try:
             returned = await _invoke(route.handler, message, executor, is_async=is_async)
-    except TimeoutError as exc:
-        if not deadline.expired():  # the handler's own TimeoutError (a socket, say): a plain failure
+        finally:
+            timed_out = deadline.leave(task)
+    except (asyncio.CancelledError, TimeoutError) as exc:
+        if not timed_out:
+            if isinstance(exc, asyncio.CancelledError):
+                raise  # a forced stop, not the route's limit
+            # The handler's own TimeoutError (a socket, say): a plain failure.
             outcome = "failed"
             error_type, error = _describe(exc, redactor)
             detail = _detail_of(exc, redactor)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
@@ -152,3 +155,53 @@ def test_a_returned_detail_is_stored_as_plain_json_whatever_it_holds(engine: Eng
         {"text": "a\\x00b", "codes": [250, 251]},
     ]
     assert returned[0]["tags"][1] == {"b": 2}  # the handler's own objects are left as they were
+
+
+def test_one_claim_times_out_its_slow_deliveries_and_keeps_the_quick_and_stubborn_ones(engine: Engine):
+    """The deliveries a claim starts share one timer per route timeout; each still gets its own verdict.
+
+    One claim brings: quick messages that finish before the limit, slow ones
+    that outlive it, one whose handler swallows the cancellation and returns
+    (delivered, as with asyncio.timeout), and a route with a longer limit that
+    its slow message meets.
+    """
+    ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+
+    @ob.handler("e", name="short", timeout=0.3, max_attempts=1)
+    async def short(msg):
+        kind = msg.payload["kind"]
+        if kind == "slow":
+            await asyncio.sleep(30)
+        elif kind == "stubborn":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                return {"swallowed": True}
+
+    @ob.handler("e", name="long", timeout=5, max_attempts=1)
+    async def long(msg):
+        if msg.payload["kind"] == "slow":
+            await asyncio.sleep(0.6)  # past the short route's limit, within its own
+
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    kinds = ["quick", "slow", "quick", "stubborn", "slow", "quick"]
+    try:
+        with maker() as s, s.begin():
+            for n, kind in enumerate(kinds):
+                emit(s, "e", {"n": n, "kind": kind})
+        started = time.monotonic()
+        result = Relay(ob, engine).run_until_idle()
+        took = time.monotonic() - started
+    finally:
+        ob.uninstall(maker)
+    with engine.connect() as conn:
+        rows = conn.execute(select(m.c.handler, m.c.payload, m.c.status)).all()
+        outcomes = {(h.message_id, h.outcome) for h in conn.execute(select(a))}
+    got = sorted((r.handler, r.payload["kind"], r.status) for r in rows)
+    assert got == sorted(
+        [("short", kind, "dead" if kind == "slow" else "delivered") for kind in kinds]
+        + [("long", kind, "delivered") for kind in kinds]
+    )
+    assert len(outcomes) == 12 and result.delivered == 10 and result.dead == 2
+    assert took < 10, "the slow deliveries must be cut off at the route's limit"

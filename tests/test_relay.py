@@ -334,10 +334,10 @@ def test_stop_releases_unstarted_claims_without_counting_an_attempt(engine, ob, 
     relay = Relay(ob, engine, concurrency=3, poll_interval=0.05, grace_period=5)
     original = Claimer._deliver
 
-    async def slow_start(self, queue, row):  # only the first message starts before the stop
+    async def slow_start(self, queue, row, *args):  # only the first message starts before the stop
         if row.payload["n"] != 0:
             await asyncio.sleep(0.1)
-        await original(self, queue, row)
+        await original(self, queue, row, *args)
 
     monkeypatch.setattr(Claimer, "_deliver", slow_start)
     thread = threading.Thread(target=relay.run)
