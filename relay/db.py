@@ -11,6 +11,7 @@ while it was not listening sent its NOTIFY to nobody.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -85,6 +86,18 @@ async def _connect(engine: Engine, application_name: str, **options: Any) -> Any
 #: switches on by cost estimate alone, would cost more than running them.
 SHORT_STATEMENTS = "SET jit = off"
 
+_JSON = json.JSONDecoder()
+
+
+def _load_json(data: str | bytes) -> Any:
+    """A json/jsonb value as psycopg hands it over: UTF-8 text, decoded without ``json.loads``'s sniffing.
+
+    ``json.loads`` on bytes first guesses their encoding (UTF-16? UTF-32?) in
+    Python; every claimed message has a payload to decode, so the guess was a
+    measurable part of the claim.
+    """
+    return _JSON.decode(data if isinstance(data, str) else data.decode())
+
 
 class LoopConnection:
     """An autocommit psycopg connection used from the event loop itself, for the hot path.
@@ -121,12 +134,14 @@ class LoopConnection:
     async def _run(self, sql: str, params: dict[str, Any], *, fetch: bool) -> Any:
         import psycopg
         from psycopg.rows import namedtuple_row
+        from psycopg.types.json import set_json_loads
 
         try:
             if self._conn is None:
                 conn = await _connect(
                     self._engine, self._application_name, autocommit=True, row_factory=namedtuple_row
                 )
+                set_json_loads(_load_json, conn)
                 if self._settings:
                     await conn.execute(self._settings)
                 self._conn = conn

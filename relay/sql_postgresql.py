@@ -47,9 +47,10 @@ from __future__ import annotations
 
 __all__ = ["CLAIM", "COMPLETE", "PENDING_QUEUES", "claim_sql"]
 
+# Empty headers (most messages) come back as NULL: nothing for the relay to decode.
 _COLUMNS = (
-    "id, event_id, event_type, handler, queue, priority, payload, headers, idempotency_key, group_key,"
-    " attempts, max_attempts, aggregate_type, aggregate_id, created_at"
+    "id, event_id, event_type, handler, queue, priority, payload, NULLIF(headers, '{}'::jsonb) AS headers,"
+    " idempotency_key, group_key, attempts, max_attempts, aggregate_type, aggregate_id, created_at"
 )
 
 _CLAIM = """

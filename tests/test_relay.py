@@ -89,6 +89,24 @@ def test_delivers_each_route_and_records_every_attempt(engine, ob, maker):
     assert all(h.finished_at >= h.started_at and h.duration_ms >= 0 for h in attempts)
 
 
+def test_a_handler_gets_the_payload_and_headers_as_emitted(engine, ob, maker):
+    """Non-ASCII text, nesting and numbers survive the round trip; no headers arrive as an empty dict."""
+    seen: dict[int, tuple[Any, dict[str, str]]] = {}
+
+    @ob.handler("note", name="keep")
+    async def keep(msg):
+        seen[msg.payload["n"]] = (msg.payload, msg.headers)
+
+    payload = {"n": 1, "text": "Zoë paid 12 € — 東京 ✓", "items": [{"q": 2, "price": 9.99}], "none": None}
+    with maker() as s, s.begin():
+        emit(s, "note", payload, headers={"x-tenant": "t1", "x-note": "ünïcode"})
+        emit(s, "note", {"n": 2})
+    Relay(ob, engine).run_until_idle()
+    assert seen[1] == (payload, {"x-tenant": "t1", "x-note": "ünïcode"})
+    assert seen[2] == ({"n": 2}, {})
+    assert type(seen[2][1]) is dict
+
+
 def test_failures_retry_with_backoff_then_go_dead_with_the_reason(engine, ob, maker):
     calls: dict[str, int] = {}
 
