@@ -18,6 +18,21 @@ MASK = "***"
 _SECRET_KEY = re.compile(r"pass(word)?|secret|token|api[_-]?key|authorization|cookie", re.IGNORECASE)
 
 
+#: Whether a key names a secret, per key seen: handlers return the same few keys with every
+#: delivery, and the search ran for each of them each time. Bounded: keys are the handlers' choice.
+_KEY_VERDICTS: dict[str, bool] = {}
+_KEY_VERDICTS_MAX = 4096
+
+
+def _names_a_secret(key: str) -> bool:
+    verdict = _KEY_VERDICTS.get(key)
+    if verdict is None:
+        verdict = _SECRET_KEY.search(key) is not None
+        if len(_KEY_VERDICTS) < _KEY_VERDICTS_MAX:
+            _KEY_VERDICTS[key] = verdict
+    return verdict
+
+
 class Redactor:
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         # Longest first, so a secret containing another is masked whole.
@@ -31,6 +46,8 @@ class Redactor:
     def value(self, value: Any) -> Any:
         if isinstance(value, str):
             return self.text(value)
+        if value is None or isinstance(value, int | float):  # the common case, before the ABC check
+            return value
         if isinstance(value, Mapping):
             return self.mapping(value)
         if isinstance(value, list | tuple):
@@ -38,4 +55,8 @@ class Redactor:
         return value
 
     def mapping(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        return {str(k): (MASK if _SECRET_KEY.search(str(k)) else self.value(v)) for k, v in data.items()}
+        masked = {}
+        for k, v in data.items():
+            key = k if type(k) is str else str(k)
+            masked[key] = MASK if _names_a_secret(key) else self.value(v)
+        return masked
