@@ -413,9 +413,10 @@ print("ok")
 """
 
 
-def test_without_opentelemetry_emit_and_delivery_work_and_nothing_is_imported(tmp_path):
+def _script_says_ok(script: str, tmp_path: Path) -> None:
+    """Run ``script`` in a Python of its own (global state: imports, the tracer provider)."""
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_WITHOUT_OTEL), str(tmp_path / "outbox.db")],
+        [sys.executable, "-c", textwrap.dedent(script), str(tmp_path / "outbox.db")],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -423,6 +424,10 @@ def test_without_opentelemetry_emit_and_delivery_work_and_nothing_is_imported(tm
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_without_opentelemetry_emit_and_delivery_work_and_nothing_is_imported(tmp_path):
+    _script_says_ok(_WITHOUT_OTEL, tmp_path)
 
 
 def test_importing_the_package_does_not_load_opentelemetry():
@@ -476,13 +481,4 @@ print("ok")
 
 
 def test_a_global_provider_set_after_the_relay_started_gets_the_spans(tmp_path):
-    # In a process of its own: the global provider can be set once per process.
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_GLOBAL_PROVIDER_LATER), str(tmp_path / "outbox.db")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    _script_says_ok(_GLOBAL_PROVIDER_LATER, tmp_path)  # the global provider can be set once per process
