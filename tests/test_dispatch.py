@@ -205,3 +205,49 @@ def test_one_claim_times_out_its_slow_deliveries_and_keeps_the_quick_and_stubbor
     )
     assert len(outcomes) == 12 and result.delivered == 10 and result.dead == 2
     assert took < 10, "the slow deliveries must be cut off at the route's limit"
+
+
+def test_each_delivery_under_a_shared_deadline_keeps_its_own_full_window():
+    """Deliveries that start later than their claim's first still get the route's whole timeout."""
+    from outbox.relay.deadline import Deadline
+
+    async def scenario() -> dict[str, tuple[str, float]]:
+        loop = asyncio.get_running_loop()
+        deadline = Deadline(loop, 0.3, 3)
+        results: dict[str, tuple[str, float]] = {}
+
+        async def delivery(name: str, start_after: float, runs_for: float) -> None:
+            await asyncio.sleep(start_after)
+            task = asyncio.current_task()
+            assert task is not None
+            deadline.enter(task)
+            began = loop.time()
+            try:
+                try:
+                    await asyncio.sleep(runs_for)
+                finally:
+                    timed_out = deadline.leave(task)
+            except asyncio.CancelledError:
+                results[name] = ("timed out" if timed_out else "cancelled", loop.time() - began)
+                if not timed_out:
+                    raise
+                return
+            results[name] = ("finished", loop.time() - began)
+
+        await asyncio.gather(
+            delivery("first, hangs", 0.0, 10),
+            delivery("late, within its own window", 0.2, 0.2),  # ends 0.4 s in: after the first's window
+            delivery("late, hangs", 0.2, 10),
+        )
+        return results
+
+    results = asyncio.run(scenario())
+    verdicts = {name: verdict for name, (verdict, _) in results.items()}
+    assert verdicts == {
+        "first, hangs": "timed out",
+        "late, within its own window": "finished",
+        "late, hangs": "timed out",
+    }
+    # Each hung delivery was cut off no sooner than its own 0.3 s after it began (a loaded
+    # machine may make it later, never earlier).
+    assert all(elapsed >= 0.3 for verdict, elapsed in results.values() if verdict == "timed out")
