@@ -176,18 +176,16 @@ class Claimer:
                 relay=self._rt.relay,
                 messages=[to_message(r) for r in rows],
             )
-        deadlines = self._deadlines(rows)
-        for row in rows:
+        for row, deadline in zip(rows, self._deadlines(rows), strict=True):
             self._by_queue[queue] += 1
-            deadline = deadlines[self._rt.routes[row.handler].timeout]
             task = asyncio.create_task(self._deliver(queue, row, deadline), name=f"outbox-message-{row.id}")
             self.inflight[row.id, row.attempts] = task
 
-    def _deadlines(self, rows: list[Any]) -> dict[float, Deadline]:
-        """One timer per route timeout among the claimed rows: their deliveries all start now."""
-        routes = self._rt.routes
-        starting = Counter(routes[row.handler].timeout for row in rows)
-        return {timeout: Deadline(self._rt.loop, timeout, n) for timeout, n in starting.items()}
+    def _deadlines(self, rows: list[Any]) -> list[Deadline]:
+        """Each row's Deadline: the rows of one route timeout share one (relay/deadline.py)."""
+        timeouts = [self._rt.routes[row.handler].timeout for row in rows]
+        shared = {timeout: Deadline(self._rt.loop, timeout, n) for timeout, n in Counter(timeouts).items()}
+        return [shared[timeout] for timeout in timeouts]
 
     # -- delivering ---------------------------------------------------------------
 
