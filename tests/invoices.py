@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import ForeignKey, func, select, text
+from sqlalchemy import ForeignKey, create_engine, func, select, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.pool import NullPool
 
 import outbox
 from outbox import Outbox, OutboxMixin
@@ -46,11 +47,17 @@ def stored(engine: Engine) -> tuple[int, int]:
 
 
 def add_refuse_bad(engine: Engine) -> None:
-    """A real constraint the outbox INSERT of ``{"number": "bad"}`` violates."""
-    with engine.begin() as conn:
+    """A real constraint the outbox INSERT of ``{"number": "bad"}`` violates.
+
+    Added on a connection of its own: psycopg forgets its prepared statements
+    on a connection that runs ALTER, and the pool's connections keep theirs.
+    """
+    own = create_engine(engine.url, poolclass=NullPool)
+    with own.begin() as conn:
         conn.execute(
             text("ALTER TABLE outbox_message ADD CONSTRAINT refuse_bad CHECK (payload->>'number' <> 'bad')")
         )
+    own.dispose()
 
 
 def take_row_lock(engine: Engine, key: str) -> Connection:

@@ -24,7 +24,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, InvalidRequestError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from outbox import ConfigurationError, InvalidEmitOption, Outbox, emit
+from outbox import ConfigurationError, InvalidEmitOption, Outbox, _pipeline, emit
 
 
 @pytest.fixture
@@ -33,13 +33,30 @@ def engine(pg_engine: Engine) -> Iterator[Engine]:
     yield pg_engine
 
 
-@pytest.fixture
-def maker(engine: Engine) -> Iterator[sessionmaker[Session]]:
+@pytest.fixture(params=["first commit", "prepared"])
+def maker(engine: Engine, request: pytest.FixtureRequest) -> Iterator[sessionmaker[Session]]:
+    """Sessions whose first emitting commit goes through psycopg's Pipeline, or is already prepared.
+
+    A connection's first emitting commit has psycopg prepare the INSERT; later
+    ones send that statement straight through libpq. Each test runs on both.
+    """
     ob = make_outbox()
     factory = sessionmaker(engine)
     ob.install(factory)
+    if request.param == "prepared":
+        prepare_on_the_pool(factory, engine)
     yield factory
     ob.uninstall(factory)
+
+
+def prepare_on_the_pool(factory: sessionmaker[Session], engine: Engine) -> None:
+    """One emitting commit on the pool's connection, then its rows deleted: the INSERT is now prepared."""
+    with factory() as s, s.begin():
+        s.add(Invoice(number="warm-up"))
+        emit(s, "invoice.issued", {"number": 0})
+    with engine.begin() as conn:
+        conn.execute(m.delete())
+        conn.execute(text("DELETE FROM invoices"))
 
 
 def outbox_statements(engine: Engine) -> list[str]:
@@ -67,6 +84,48 @@ def test_the_commits_write_rides_with_the_commit_and_the_connection_is_reusable(
         assert conn.execute(text("SELECT 41 + 1")).scalar_one() == 42
         raw = conn.connection.dbapi_connection
         assert raw is not None and raw.pgconn.pipeline_status == 0  # type: ignore[attr-defined]
+
+
+def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, monkeypatch):
+    """The first emitting commit on a connection prepares the INSERT; the next ones reuse it directly."""
+    ob = make_outbox()
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    direct: list[bytes] = []
+    real = _pipeline.DirectBatch
+
+    def spy(raw: object, statement: tuple[bytes, object, object]) -> object:
+        direct.append(statement[0])
+        return real(raw, statement)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_pipeline, "DirectBatch", spy)
+    for number in range(3):
+        with factory() as s, s.begin():
+            s.add(Invoice(number=f"P-{number}"))
+            emit(s, "invoice.issued", {"number": number})
+    ob.uninstall(factory)
+    assert len(direct) == 2 and len(set(direct)) == 1
+    # Asked before anything rolls back on the pool's one connection: psycopg
+    # deallocates its statements at every ROLLBACK.
+    with engine.connect() as conn:
+        runs = conn.execute(
+            text("SELECT generic_plans + custom_plans FROM pg_prepared_statements WHERE name = :name"),
+            {"name": direct[0].decode()},
+        ).scalar_one()
+    assert runs == 3
+    assert stored(engine) == (3, 3)
+
+
+def test_an_emit_after_the_prepared_statements_are_deallocated_still_commits(maker, engine):
+    """psycopg's record of its statements is followed: DEALLOCATE ALL cannot fail a later commit."""
+    with maker() as s, s.begin():
+        s.execute(text("DEALLOCATE ALL"))
+        s.add(Invoice(number="after-deallocate"))
+        emit(s, "invoice.issued", {"number": 1})
+    with maker() as s, s.begin():
+        s.add(Invoice(number="next"))
+        emit(s, "invoice.issued", {"number": 2})
+    assert stored(engine) == (2, 2)
 
 
 def test_pipeline_writes_false_keeps_an_ordinary_statement(engine):
