@@ -121,11 +121,18 @@ class DirectBatch:
 def _wait(pgconn: pq.abc.PGconn) -> None:
     """Until a reply can be read: send what is unsent, wait on the socket, take in what came.
 
-    An interruption (a signal's exception) is raised from ``poll`` to the caller,
-    which cancels the server's work and gives the connection up.
+    An interruption (a signal's exception) is raised from the wait to the
+    caller, which cancels the server's work and gives the connection up.
     """
     unsent = pgconn.flush()
-    poller = select.poll()
-    poller.register(pgconn.socket, select.POLLIN | (select.POLLOUT if unsent else 0))
-    poller.poll()
+    socket = pgconn.socket
+    if _HAS_POLL:  # no limit on the descriptor's number, unlike select()
+        poller = select.poll()
+        poller.register(socket, select.POLLIN | (select.POLLOUT if unsent else 0))
+        poller.poll()
+    else:
+        select.select([socket], [socket] if unsent else [], [])
     pgconn.consume_input()
+
+
+_HAS_POLL = hasattr(select, "poll")
