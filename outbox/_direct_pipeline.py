@@ -4,13 +4,13 @@ psycopg's ``Pipeline`` costs an emitting request about 100 µs of CPU a commit
 (its result queue, cursors and generators), more than the server spends
 executing the INSERT. Once psycopg has prepared the INSERT on a connection,
 this module sends Bind and Execute for that statement, then the COMMIT and a
-Sync, and reads the replies with libpq; the emit overhead fell by about a
-tenth of a plain transaction (docs/performance.md).
+Sync, and reads the replies with libpq: about 100 µs of CPU less a commit
+(docs/performance.md).
 
 The statement must be psycopg's, not one of our own: psycopg deallocates every
-prepared statement (``DEALLOCATE ALL``) when a ROLLBACK, DROP, ALTER or DISCARD
-ALL goes through one of its cursors, and evicts old ones past
-``prepared_max``. Its table of names is the only record of which statements
+prepared statement (``DEALLOCATE ALL``) at each rollback of a transaction and
+when a DROP, ALTER or DISCARD ALL goes through one of its cursors, and evicts
+old ones past ``prepared_max``. Its table of names is the only record of which statements
 still exist on the server, so a statement of our own could vanish and fail a
 user's commit. psycopg keeps that table private (``Connection._prepared``);
 it is read defensively here, and where anything is not as expected

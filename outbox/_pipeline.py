@@ -7,10 +7,11 @@ while that Python runs; the COMMIT follows in the same pipeline, and one wait
 reads both replies. The benchmark's emit overhead fell from about 1.4 to about
 1.2 (docs/performance.md).
 
-The first such commit on a connection goes through psycopg's ``Pipeline`` and
-has psycopg prepare the INSERT; later ones send that prepared statement
-straight through libpq (``_direct_pipeline``), which costs the request far
-less CPU. Both are read and handled alike below.
+Such a commit goes through psycopg's ``Pipeline`` until psycopg has prepared
+the INSERT on the connection (as it prepares any statement, after
+``prepare_threshold`` runs); later ones send that prepared statement straight
+through libpq (``_direct_pipeline``), which costs the request far less CPU.
+Both are read and handled alike below.
 
 A pending reply is a hazard for anything else that uses the connection: an
 error read by someone else's statement could be swallowed, after which the
@@ -69,7 +70,7 @@ _SETTLED = (pq.TransactionStatus.IDLE, pq.TransactionStatus.INTRANS, pq.Transact
 
 
 class _PsycopgBatch:
-    """The INSERT sent through psycopg's ``Pipeline``: before psycopg has prepared it on this connection."""
+    """The INSERT sent through psycopg's ``Pipeline``: until psycopg has prepared it on this connection."""
 
     __slots__ = ("_raw", "_pipeline", "_cursor")
 
@@ -79,9 +80,10 @@ class _PsycopgBatch:
         self._pipeline.__enter__()
         try:
             self._cursor = raw.cursor()
-            # Prepared now, not after psycopg's usual five runs: the next commit
-            # on this connection can then take the DirectBatch.
-            self._cursor.execute(sql, params, prepare=True if len(params) <= _PREPARED_PARAMS else None)
+            # psycopg prepares it as it does any statement (after prepare_threshold
+            # runs). Asking for it sooner would cost a DEALLOCATE ALL at the next
+            # rollback on this connection, which a read-only request's pool reset is.
+            self._cursor.execute(sql, params)
         except BaseException:
             # Nothing is pending that anyone could still want: leave pipeline mode now.
             self._pipeline.__exit__(*sys.exc_info())
@@ -101,11 +103,6 @@ class _PsycopgBatch:
         if self._raw.closed or self._raw.pgconn.pipeline_status == pq.PipelineStatus.OFF:
             return
         self._pipeline.__exit__(*exc_info)
-
-
-#: Statements of up to eight rows (13 parameters a row) are prepared at once;
-#: larger ones only as psycopg decides, so big commits do not crowd its cache.
-_PREPARED_PARAMS = 13 * 8
 
 
 @dataclass(slots=True)

@@ -35,10 +35,10 @@ def engine(pg_engine: Engine) -> Iterator[Engine]:
 
 @pytest.fixture(params=["first commit", "prepared"])
 def maker(engine: Engine, request: pytest.FixtureRequest) -> Iterator[sessionmaker[Session]]:
-    """Sessions whose first emitting commit goes through psycopg's Pipeline, or is already prepared.
+    """Sessions whose emitting commits go through psycopg's Pipeline, or on a prepared connection.
 
-    A connection's first emitting commit has psycopg prepare the INSERT; later
-    ones send that statement straight through libpq. Each test runs on both.
+    Once psycopg has prepared the INSERT on a connection, emitting commits
+    send that statement straight through libpq. Each test runs on both.
     """
     ob = make_outbox()
     factory = sessionmaker(engine)
@@ -49,11 +49,16 @@ def maker(engine: Engine, request: pytest.FixtureRequest) -> Iterator[sessionmak
     ob.uninstall(factory)
 
 
+#: psycopg prepares a statement on its sixth run (``prepare_threshold`` is 5 by default).
+PREPARED_AFTER = 6
+
+
 def prepare_on_the_pool(factory: sessionmaker[Session], engine: Engine) -> None:
-    """One emitting commit on the pool's connection, then its rows deleted: the INSERT is now prepared."""
-    with factory() as s, s.begin():
-        s.add(Invoice(number="warm-up"))
-        emit(s, "invoice.issued", {"number": 0})
+    """Emitting commits on the pool's connection until psycopg has prepared the INSERT, then no rows."""
+    for number in range(PREPARED_AFTER):
+        with factory() as s, s.begin():
+            s.add(Invoice(number=f"warm-up {number}"))
+            emit(s, "invoice.issued", {"number": number})
     with engine.begin() as conn:
         conn.execute(m.delete())
         conn.execute(text("DELETE FROM invoices"))
@@ -87,7 +92,7 @@ def test_the_commits_write_rides_with_the_commit_and_the_connection_is_reusable(
 
 
 def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, monkeypatch):
-    """The first emitting commit on a connection prepares the INSERT; the next ones reuse it directly."""
+    """Once psycopg has prepared the INSERT on a connection, the next commits send it directly."""
     ob = make_outbox()
     factory = sessionmaker(engine)
     ob.install(factory)
@@ -99,7 +104,7 @@ def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, monke
         return real(raw, statement)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_pipeline, "DirectBatch", spy)
-    for number in range(3):
+    for number in range(PREPARED_AFTER + 2):
         with factory() as s, s.begin():
             s.add(Invoice(number=f"P-{number}"))
             emit(s, "invoice.issued", {"number": number})
@@ -112,8 +117,8 @@ def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, monke
             text("SELECT generic_plans + custom_plans FROM pg_prepared_statements WHERE name = :name"),
             {"name": direct[0].decode()},
         ).scalar_one()
-    assert runs == 3
-    assert stored(engine) == (3, 3)
+    assert runs == 3  # psycopg's run that prepared it, and the two sent directly
+    assert stored(engine) == (PREPARED_AFTER + 2, PREPARED_AFTER + 2)
 
 
 def test_an_emit_after_the_prepared_statements_are_deallocated_still_commits(maker, engine):
