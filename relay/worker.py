@@ -28,25 +28,19 @@ poll interval makes it claim anyway.
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import random
 import signal
-import socket
 import threading
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import ConfigurationError, Outbox, OutboxError, outbox_message, outbox_pause, signals
-from outbox._migrations import missing_outbox_table
+from outbox import ConfigurationError, Outbox, signals
 from outbox._ops_relays import REGISTRY_PERIOD
 from outbox._redact import Redactor
 from outbox._routes import check_name
@@ -60,41 +54,14 @@ from .leases import LeaseKeeper
 from .metrics import RelayMetrics
 from .registry import Registry
 from .runtime import DrainResult, Runtime, backoff_delay, first_line, log, supervise
+from .settings import DEFAULT_CONCURRENCY, default_relay_id, positive, queue_caps, queue_names
 from .shutdown import Shutdown
+from .startup import DatabaseUnavailable, check_database
 from .store import GroupPolicy, Store
 from .writer import OutcomeWriter
 
-__all__ = ["DatabaseUnavailable", "DrainResult", "Relay"]
-
-#: Deliveries in flight per relay by default. A relay is one event loop, so the figure does not
-#: grow with the machine's cores; 100 is where a no-op drain stops gaining much (10 in flight
-#: leaves it waiting on round trips: 6,200 msg/s against 17,700 at 100, see docs/performance.md),
-#: and it matches httpx's default connection pool, so webhooks need no more sockets than that.
-#: A receiver that cannot take 100 at once gets a per-queue cap (``queue_concurrency``).
-DEFAULT_CONCURRENCY = 100
-
-
-class DatabaseUnavailable(OutboxError):
-    """The relay could not reach its database, or the outbox tables are missing, at start-up."""
-
-
-def _positive(what: str, value: object, *, integer: bool = False, zero: bool = False) -> Any:
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, kinds)
-        and math.isfinite(float(value))  # type: ignore[arg-type]
-        and (value >= 0 if zero else value > 0)  # type: ignore[operator]
-    )
-    if not ok:
-        kind = "an integer" if integer else "a number"
-        bound = ">= 0" if zero else "> 0"
-        raise ConfigurationError(f"{what} must be {kind} {bound}, got {value!r}")
-    return value
-
-
-def _default_relay_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+# DatabaseUnavailable and DEFAULT_CONCURRENCY are imported from here by earlier code.
+__all__ = ["DEFAULT_CONCURRENCY", "DatabaseUnavailable", "DrainResult", "Relay"]
 
 
 class Relay:
@@ -134,23 +101,18 @@ class Relay:
         if not outbox.routes:
             raise ConfigurationError("the Outbox has no routes: a relay would have nothing to deliver")
         self.outbox = outbox
-        self.concurrency: int = _positive("concurrency", concurrency, integer=True)
-        self.batch_size: int = _positive(
+        self.concurrency: int = positive("concurrency", concurrency, integer=True)
+        self.batch_size: int = positive(
             "batch_size", batch_size if batch_size is not None else concurrency, integer=True
         )
-        self.poll_interval: float = _positive("poll_interval", poll_interval)
-        self.lease: float = _positive("lease", lease)
-        self.grace_period: float = _positive("grace_period", grace_period, zero=True)
+        self.poll_interval: float = positive("poll_interval", poll_interval)
+        self.lease: float = positive("lease", lease)
+        self.grace_period: float = positive("grace_period", grace_period, zero=True)
         if group_policy not in ("block", "skip"):
             raise ConfigurationError(f"group_policy must be 'block' or 'skip', got {group_policy!r}")
-        self.queues = None if queues is None else tuple(dict.fromkeys(check_name("queue", q) for q in queues))
-        if self.queues is not None and not self.queues:
-            raise ConfigurationError("queues must name at least one queue (or be None for every queue)")
-        self.queue_concurrency = {
-            check_name("queue", q): _positive(f"queue_concurrency[{q!r}]", n, integer=True)
-            for q, n in (queue_concurrency or {}).items()
-        }
-        self.id = check_name("relay_id", relay_id) if relay_id is not None else _default_relay_id()
+        self.queues = queue_names(queues)
+        self.queue_concurrency = queue_caps(queue_concurrency)
+        self.id = check_name("relay_id", relay_id) if relay_id is not None else default_relay_id()
         self.engine = make_engine(database)
         self._owns_engine = self.engine is not database
         self.listen = listen and supports_listen(self.engine)
@@ -164,9 +126,9 @@ class Relay:
         self._early_stop: bool | None = None  # a stop() that came before the loop ran
         self.listener: Listener | None = None
         self.metrics = metrics
-        self.metrics_interval: float = _positive("metrics_interval", metrics_interval)
+        self.metrics_interval: float = positive("metrics_interval", metrics_interval)
         # Readers (outbox.ops.relays) call a relay dead after three periods without a write.
-        self.registry_interval: float = _positive("registry_interval", registry_interval)
+        self.registry_interval: float = positive("registry_interval", registry_interval)
         if metrics is not None:
             for route in outbox.routes:
                 states = getattr(route.handler, "outbox_breaker_states", None)
@@ -247,25 +209,6 @@ class Relay:
             rt.request_stop(early)
         return rt
 
-    async def _check_database(self, rt: Runtime) -> None:
-        try:
-            await rt.db(self._probe)
-        except SQLAlchemyError as exc:
-            url = self.engine.url.render_as_string(hide_password=True)
-            missing = missing_outbox_table(exc)
-            if missing is not None:
-                raise DatabaseUnavailable(
-                    f"the outbox tables are missing in {url} (no {missing}): "
-                    "run `outbox migrate --database-url ...` first"
-                ) from None
-            raise DatabaseUnavailable(f"cannot reach the database at {url}: {first_line(exc)}") from None
-
-    def _probe(self) -> None:
-        with self.engine.connect() as conn:
-            conn.execute(select(outbox_message.c.id).limit(0))
-            # Every claim reads the pauses: a database not migrated that far fails here, in one line.
-            conn.execute(select(outbox_pause.c.kind).limit(0))
-
     async def _close(self, rt: Runtime) -> None:
         await self._claimer.close()
         await self._writer.close()
@@ -311,7 +254,7 @@ class Relay:
         rt = self._open()
         started = False
         try:
-            await self._check_database(rt)
+            await check_database(rt, self.engine)
             bind_handlers(self._routes.values(), self.engine)
             await self._start_handlers()
             if install_signal_handlers:
@@ -430,7 +373,7 @@ class Relay:
         rt = self._open()
         claimer, writer = self._claimer, self._writer
         try:
-            await self._check_database(rt)
+            await check_database(rt, self.engine)
             bind_handlers(self._routes.values(), self.engine)
             await self._start_handlers()
             await self._leases.report_unknown_handlers()
