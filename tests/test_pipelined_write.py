@@ -23,6 +23,7 @@ from sqlalchemy import create_engine, event, func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, InvalidRequestError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from outbox import ConfigurationError, InvalidEmitOption, Outbox, _pipeline, emit
 
@@ -54,14 +55,33 @@ PREPARED_AFTER = 6
 
 
 def prepare_on_the_pool(factory: sessionmaker[Session], engine: Engine) -> None:
-    """Emitting commits on the pool's connection until psycopg has prepared the INSERT, then no rows."""
-    for number in range(PREPARED_AFTER):
-        with factory() as s, s.begin():
-            s.add(Invoice(number=f"warm-up {number}"))
-            emit(s, "invoice.issued", {"number": number})
+    """Emitting commits on the pool's connection until psycopg has prepared the INSERT, then no rows.
+
+    Both shapes the tests emit: without a key, and with one (a text parameter
+    where the other has NULL, so psycopg prepares it as a statement of its own).
+    """
+    for keyed in (False, True):
+        for number in range(PREPARED_AFTER):
+            with factory() as s, s.begin():
+                s.add(Invoice(number=f"warm-up {keyed} {number}"))
+                emit(s, "invoice.issued", {"number": number}, key=f"warm-up {number}" if keyed else None)
     with engine.begin() as conn:
         conn.execute(m.delete())
         conn.execute(text("DELETE FROM invoices"))
+
+
+@pytest.fixture
+def direct_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The prepared statements the commits sent straight through libpq, by name."""
+    sent: list[bytes] = []
+    real = _pipeline.DirectBatch
+
+    def spy(raw: object, statement: tuple[bytes, object, object]) -> object:
+        sent.append(statement[0])
+        return real(raw, statement)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_pipeline, "DirectBatch", spy)
+    return sent
 
 
 def outbox_statements(engine: Engine) -> list[str]:
@@ -91,19 +111,12 @@ def test_the_commits_write_rides_with_the_commit_and_the_connection_is_reusable(
         assert raw is not None and raw.pgconn.pipeline_status == 0  # type: ignore[attr-defined]
 
 
-def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, monkeypatch):
+def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, direct_sends):
     """Once psycopg has prepared the INSERT on a connection, the next commits send it directly."""
     ob = make_outbox()
     factory = sessionmaker(engine)
     ob.install(factory)
-    direct: list[bytes] = []
-    real = _pipeline.DirectBatch
-
-    def spy(raw: object, statement: tuple[bytes, object, object]) -> object:
-        direct.append(statement[0])
-        return real(raw, statement)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_pipeline, "DirectBatch", spy)
+    direct = direct_sends
     for number in range(PREPARED_AFTER + 2):
         with factory() as s, s.begin():
             s.add(Invoice(number=f"P-{number}"))
@@ -480,12 +493,18 @@ def test_handle_error_listeners_see_a_refused_insert(maker, engine, refuse_bad):
     assert seen == ["CheckViolation"]
 
 
-def test_a_connection_lost_before_the_commit_is_reported_and_the_session_recovers(pg_url):
+@pytest.mark.parametrize("prepared", [False, True], ids=["first commit", "prepared"])
+def test_a_connection_lost_before_the_commit_is_reported_and_the_session_recovers(
+    pg_url, prepared, direct_sends
+):
     eng = create_engine(pg_url, connect_args={"options": "-c idle_in_transaction_session_timeout=200"})
     Base.metadata.create_all(eng)
     ob = make_outbox()
     factory = sessionmaker(eng)
     ob.install(factory)
+    if prepared:
+        prepare_on_the_pool(factory, eng)
+    direct_sends.clear()
     s = factory()
     s.add(Invoice(number="x"))
     s.flush()
@@ -494,6 +513,7 @@ def test_a_connection_lost_before_the_commit_is_reported_and_the_session_recover
     with pytest.raises(DBAPIError) as caught:
         s.commit()
     assert caught.value.connection_invalidated
+    assert len(direct_sends) == (1 if prepared else 0)
     s.rollback()
     s.close()
     assert stored(eng) == (0, 0)
@@ -561,12 +581,16 @@ def test_rollbacks_of_lost_connections_work_while_other_threads_commit(maker, en
     assert invoices == messages > 0
 
 
-def test_an_interrupted_commit_commits_nothing_and_gives_up_its_connection(maker, engine):
+def test_an_interrupted_commit_commits_nothing_and_gives_up_its_connection(
+    maker, engine, direct_sends, request
+):
     """Ctrl-C while the INSERT waits for a lock: the server's work is cancelled, nothing commits."""
     import os
     import signal
 
-    blocker = take_row_lock(engine, "K")  # our INSERT of key K waits on this row lock
+    # On a connection of its own, so the session takes the pool's (perhaps prepared) one.
+    own = create_engine(engine.url, poolclass=NullPool)
+    blocker = take_row_lock(own, "K")  # our INSERT of key K waits on this row lock
     s = maker()
     s.add(Invoice(number="x"))
     emit(s, "invoice.issued", {"number": 1}, key="K")
@@ -579,6 +603,8 @@ def test_an_interrupted_commit_commits_nothing_and_gives_up_its_connection(maker
         timer.cancel()
         blocker.rollback()
         blocker.close()
+        own.dispose()
+    assert len(direct_sends) == (1 if request.node.callspec.params["maker"] == "prepared" else 0)
     s.close()
     assert stored(engine) == (0, 0)
     with maker() as s2, s2.begin():  # the pool's next connection is healthy
