@@ -1,0 +1,247 @@
+"""One serve or one drain of a relay: the parts that live for that run, and its loop.
+
+A :class:`~outbox.relay.worker.Relay` is reusable: it may serve, stop and
+serve again, or drain many times. Everything a run builds (the runtime, the
+claimer, the writer, the lease keeper, the shutdown sequence, the registry
+row, the background tasks) belongs to a :class:`RelayRun` and ends with it,
+so the Relay itself keeps only its settings and the way to stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox import signals
+
+from .announce import send
+from .claimer import Claimer
+from .db import Listener
+from .hooks import bind_handlers, shutdown_handlers, start_handlers
+from .leases import LeaseKeeper
+from .registry import Registry
+from .runtime import DrainResult, Runtime, backoff_delay, first_line, log, supervise
+from .shutdown import Shutdown
+from .startup import check_database
+from .writer import OutcomeWriter
+
+if TYPE_CHECKING:
+    from .worker import Relay
+
+__all__ = ["RelayRun"]
+
+
+class RelayRun:
+    """The collaborators of one run, wired together; ``serve()`` or ``drain()`` uses them once."""
+
+    def __init__(self, relay: Relay, *, on_close: Callable[[], None]) -> None:
+        self.relay = relay
+        self._on_close = on_close  # the relay's own clean-up, after this run's parts are closed
+        self.rt = rt = Runtime(
+            relay,
+            outbox=relay.outbox,
+            store=relay.store,
+            routes=relay.routes,
+            redactor=relay.redactor,
+            rng=relay.rng,
+            metrics=relay.metrics,
+            poll_interval=relay.poll_interval,
+        )
+        self.writer = OutcomeWriter(rt)
+        self.claimer = claimer = Claimer(
+            rt,
+            self.writer,
+            queues=relay.queues,
+            concurrency=relay.concurrency,
+            queue_concurrency=relay.queue_concurrency,
+            batch_size=relay.batch_size,
+        )
+        self.leases = LeaseKeeper(
+            rt, lease=relay.lease, held_ids=lambda: [*claimer.held_ids(), *self.writer.held_ids()]
+        )
+        self.shutdown = Shutdown(rt, claimer, self.writer, grace_period=relay.grace_period)
+        self.registry = Registry(
+            rt,
+            engine=relay.engine,
+            queues=relay.queues,
+            period=relay.registry_interval,
+            in_flight=lambda: len(claimer.inflight),
+        )
+        self.background: list[asyncio.Task[Any]] = []
+
+    def woken_by_commit(self, queues: tuple[str, ...]) -> None:
+        """A commit in this process named these queues: claim now, from them too."""
+        self.claimer.learn_queues(queues)
+        self.rt.wake.set()
+
+    # -- serve -----------------------------------------------------------------------------
+
+    async def serve(self, *, install_signal_handlers: bool) -> None:
+        relay, rt = self.relay, self.rt
+        started = False
+        try:
+            await self._start()
+            if install_signal_handlers:
+                _install_signals(rt)
+            self.background = [
+                self._task("outbox-writer", self.writer.run),
+                self._task("outbox-heartbeat", self.leases.heartbeat),
+                self._task("outbox-recoverer", self.leases.recoverer),
+                self._task("outbox-registry", self.registry.run),
+            ]
+            if relay.listen:
+                relay.listener = Listener(
+                    relay.engine, on_notify=rt.wake.set, on_listening=self._now_listening
+                )
+                self.background.append(self._task("outbox-listen", relay.listener.run))
+            if relay.metrics is not None:
+                # Ready means listening in the sense relay_listening announces (or not listening at all).
+                relay.metrics.watch_listener(lambda: not relay.listen or relay.listening)
+                relay.metrics.up.set(1)
+                self.background.append(self._task("outbox-metrics", self._refresh_metrics))
+            log.info(
+                "relay %s started: routes=%s queues=%s concurrency=%d listen=%s",
+                relay.id,
+                ",".join(rt.handlers),
+                ",".join(relay.queues) if relay.queues else "*",
+                relay.concurrency,
+                relay.listen,
+                extra={"action": "start", "relay_id": relay.id},
+            )
+            send(signals.relay_started, relay.outbox, relay=relay)
+            started = True
+            await self._serve_loop()
+            await self.shutdown.graceful(self.background)
+            await self.registry.stopped(self.background)
+        finally:
+            for task in self.background:
+                task.cancel()
+            await asyncio.gather(*self.background, return_exceptions=True)
+            await shutdown_handlers(relay.routes.values(), relay.redactor)
+            if relay.metrics is not None:
+                relay.metrics.up.set(0)
+            if install_signal_handlers:
+                _remove_signals()
+            await self._close()
+            if started:  # also when serving failed: whoever saw it start must see it stop
+                log.info("relay %s stopped", relay.id, extra={"action": "stopped", "relay_id": relay.id})
+                send(signals.relay_stopped, relay.outbox, relay=relay)
+
+    async def _start(self) -> None:
+        """The database check, then the handlers' ``outbox_start`` hooks (a ConfigurationError stops it)."""
+        relay = self.relay
+        await check_database(self.rt, relay.engine)
+        bind_handlers(relay.routes.values(), relay.engine)
+        await start_handlers(
+            relay.routes.values(), relay.redactor, lease=relay.lease, poll_interval=relay.poll_interval
+        )
+
+    def _task(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """A background task that is restarted, loudly, if it ever fails or ends."""
+        return asyncio.create_task(supervise(name, run, relay_id=self.relay.id), name=name)
+
+    def _now_listening(self) -> None:
+        self.rt.wake.set()  # the catch-up claim: a NOTIFY sent while not listening was lost
+        send(signals.relay_listening, self.relay.outbox, relay=self.relay)
+
+    async def _serve_loop(self) -> None:
+        rt, metrics = self.rt, self.relay.metrics
+        failures = 0
+        discover = True
+        while not rt.stopping:
+            rt.wake.clear()
+            try:
+                _, more = await self.claimer.claim_round(discover=discover)
+                failures = 0
+                if metrics is not None:
+                    metrics.database_ok()
+            except SQLAlchemyError as exc:
+                failures += 1
+                delay = backoff_delay(failures)
+                log.warning(
+                    "claim failed (%s); retrying in %.1fs",
+                    first_line(exc),
+                    delay,
+                    extra={"action": "db_error", "relay_id": rt.id, "failures": failures},
+                )
+                # A LISTEN reconnect (or a stop) cuts the back-off short: the database is back.
+                await rt.sleep(delay)
+                continue
+            if more:
+                discover = False
+                continue
+            discover = True
+            await rt.sleep(self.relay.poll_interval)
+
+    async def _refresh_metrics(self) -> None:
+        relay = self.relay
+        assert relay.metrics is not None
+        while True:
+            try:
+                await self.rt.db(relay.metrics.refresh, relay.engine)
+            except SQLAlchemyError as exc:
+                log.warning("metrics query failed (%s)", first_line(exc), extra={"action": "db_error"})
+            await asyncio.sleep(relay.metrics_interval)
+
+    # -- drain -------------------------------------------------------------------------------
+
+    async def drain(self) -> DrainResult:
+        relay, rt, claimer, writer = self.relay, self.rt, self.claimer, self.writer
+        try:
+            await self._start()
+            await self.leases.report_unknown_handlers()
+            await self.leases.recover_once()
+            self.background = [self._task("outbox-heartbeat", self.leases.heartbeat)]
+            # The same pipeline as serving: outcomes are written by their own task while the
+            # next batch is claimed and delivered, so a drain runs as fast as a serving relay.
+            writing = asyncio.create_task(writer.run(retry=False), name="outbox-writer")
+            self.background.append(writing)
+            while True:
+                # Idle before the claim, nothing claimed by it: every outcome so far was in the
+                # database when it ran, so nothing due is left (a finished message unblocks
+                # its group's next one only once written).
+                idle = not claimer.inflight and writer.idle
+                rt.wake.clear()
+                claimed, more = await claimer.claim_round(discover=True)
+                if idle and not claimed:
+                    break
+                if more:
+                    continue
+                # Woken by a finished delivery or a written batch; a failed write ends the drain.
+                waking = asyncio.create_task(rt.wake.wait())
+                await asyncio.wait((waking, writing), return_when=asyncio.FIRST_COMPLETED)
+                waking.cancel()
+                if writing.done():
+                    writing.result()  # raises the write's error
+                    raise RuntimeError("the outcome writer stopped during a drain")
+        finally:
+            pending = [*claimer.inflight.values(), *self.background]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self.shutdown.end_of_drain()
+            await shutdown_handlers(relay.routes.values(), relay.redactor)
+            await self._close()
+        return rt.result
+
+    async def _close(self) -> None:
+        await self.claimer.close()
+        await self.writer.close()
+        self.rt.close()
+        self._on_close()
+
+
+def _install_signals(rt: Runtime) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, rt.request_stop, True)
+
+
+def _remove_signals() -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
