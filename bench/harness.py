@@ -35,6 +35,7 @@ __all__ = [
     "Scratch",
     "conninfo",
     "engine_for",
+    "give_up_after",
     "prefill",
     "relays",
     "server_version",
@@ -365,6 +366,16 @@ def wait_listening(url: URL, procs: Sequence[RelayProcess], timeout: float = 30.
 
     _wait(listening, "relays to LISTEN", timeout, procs)
     time.sleep(0.5)
+
+
+def give_up_after(count: int, *, slowest_per_s: float) -> float:
+    """Seconds to wait for ``count`` deliveries before calling a run failed.
+
+    A minute for start-up, plus the count at the slowest rate the mode has
+    shown on a loaded shared host: a slow run is still measured, a stuck one
+    ends with its relays' output instead of hanging the benchmark.
+    """
+    return 60.0 + count / slowest_per_s
 
 
 def wait_drained(
