@@ -10,9 +10,9 @@ Sync, and reads the replies with libpq: about 100 µs of CPU less a commit
 The statement must be psycopg's, not one of our own: psycopg deallocates every
 prepared statement (``DEALLOCATE ALL``) at each rollback of a transaction and
 when a DROP, ALTER or DISCARD ALL goes through one of its cursors, and evicts
-old ones past ``prepared_max``. Its table of names is the only record of which statements
-still exist on the server, so a statement of our own could vanish and fail a
-user's commit. psycopg keeps that table private (``Connection._prepared``);
+old ones past ``prepared_max``. Its table of names is the only record of which
+statements still exist on the server, so a statement of our own could vanish
+and fail a user's commit. psycopg keeps that table private (``Connection._prepared``);
 it is read defensively here, and where anything is not as expected
 ``prepared_statement`` answers None and the caller uses psycopg's ``Pipeline``,
 which is as correct and only slower.
@@ -37,10 +37,10 @@ except ImportError:  # a psycopg without it: psycopg's Pipeline is used
 __all__ = ["DirectBatch", "Statement", "prepared_statement"]
 
 _SYNC = pq.ExecStatus.PIPELINE_SYNC
-_ABORTED = pq.ExecStatus.PIPELINE_ABORTED
 _FATAL = pq.ExecStatus.FATAL_ERROR
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
 _COMMIT = b"COMMIT"
+_HAS_POLL = hasattr(select, "poll")
 
 #: (name, parameters as psycopg dumped them, their formats)
 Statement = tuple[bytes, Sequence[Any], Sequence[pq.Format] | None]
@@ -133,6 +133,3 @@ def _wait(pgconn: pq.abc.PGconn) -> None:
     else:
         select.select([socket], [socket] if unsent else [], [])
     pgconn.consume_input()
-
-
-_HAS_POLL = hasattr(select, "poll")

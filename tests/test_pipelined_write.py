@@ -116,19 +116,18 @@ def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, direc
     ob = make_outbox()
     factory = sessionmaker(engine)
     ob.install(factory)
-    direct = direct_sends
     for number in range(PREPARED_AFTER + 2):
         with factory() as s, s.begin():
             s.add(Invoice(number=f"P-{number}"))
             emit(s, "invoice.issued", {"number": number})
     ob.uninstall(factory)
-    assert len(direct) == 2 and len(set(direct)) == 1
+    assert len(direct_sends) == 2 and len(set(direct_sends)) == 1
     # Asked before anything rolls back on the pool's one connection: psycopg
     # deallocates its statements at every ROLLBACK.
     with engine.connect() as conn:
         runs = conn.execute(
             text("SELECT generic_plans + custom_plans FROM pg_prepared_statements WHERE name = :name"),
-            {"name": direct[0].decode()},
+            {"name": direct_sends[0].decode()},
         ).scalar_one()
     assert runs == 3  # psycopg's run that prepared it, and the two sent directly
     assert stored(engine) == (PREPARED_AFTER + 2, PREPARED_AFTER + 2)
