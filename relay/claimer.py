@@ -19,6 +19,7 @@ from typing import Any
 from outbox import Message, signals
 
 from .announce import send
+from .claim_position import ClaimPositions, Position
 from .db import LoopConnection
 from .deadline import Deadline
 from .dispatch import attempt, to_message
@@ -56,6 +57,7 @@ class Claimer:
         # one with the same relay id) is never among them; it leaves through lease expiry.
         self._unstarted: dict[tuple[int, int], None] = {}
         self._saturated = False
+        self._positions = ClaimPositions()
         self._known_queues: set[str] = {r.queue for r in rt.routes.values()}
         self._next_discovery = 0.0
         # Claims are as durable as outcomes: a claim a server crash forgot would have its
@@ -146,10 +148,7 @@ class Claimer:
                 continue
             limit = min(self._batch_size, free)
             began = rt.tracing.clock()
-            if self._conn is not None:
-                rows = await rt.store.claim_on(self._conn, queue, rt.handlers, limit)
-            else:
-                rows = await rt.db(rt.store.claim, queue, rt.handlers, limit)
+            rows = await self._claim(queue, limit)
             if rows:
                 rt.tracing.claimed(queue, len(rows), began)
                 claimed += len(rows)
@@ -159,6 +158,26 @@ class Claimer:
                 if self._free(queue) <= 0:
                     self._saturated = True
         return claimed, more and not self._saturated
+
+    async def _claim(self, queue: str, limit: int) -> list[Any]:
+        """Up to ``limit`` rows of ``queue``, from its claim position while a backlog lasts."""
+        start = self._positions.start(queue)
+        rows = await self._claim_from(queue, limit, start)
+        self._positions.claimed(queue, start, rows, limit)
+        if start is not None and len(rows) < limit:
+            # The backlog after the position ran out; what sorts before it may be due now,
+            # and no NOTIFY would announce it.
+            rest = limit - len(rows)
+            front = await self._claim_from(queue, rest, None)
+            self._positions.claimed(queue, None, front, rest)
+            rows = sorted([*rows, *front], key=lambda r: (r.priority, r.id))
+        return rows
+
+    async def _claim_from(self, queue: str, limit: int, start: Position) -> list[Any]:
+        rt = self._rt
+        if self._conn is not None:
+            return await rt.store.claim_on(self._conn, queue, rt.handlers, limit, start)
+        return await rt.db(rt.store.claim, queue, rt.handlers, limit, start)
 
     def _dispatch(self, queue: str, rows: list[Any]) -> None:
         log.debug(

@@ -37,6 +37,13 @@ and every claim paid for it (hundreds of milliseconds at a million pending
 rows). The relay's own connections also run with ``jit = off``: its statements
 are short, and compiling one costs more than running it.
 
+The claim starts its scan at ``(from_priority, from_id)`` in the claim
+index's order (``relay/claim_position.py`` says when that is not the front):
+a row comparison on the index's columns after ``queue``, which PostgreSQL
+turns into the index scan's starting point. The front is the smallest
+position there is, not a second statement, so one prepared statement serves
+both.
+
 Status values are literals, never parameters: psycopg prepares a statement
 after a few executions and PostgreSQL may then switch to a generic plan, which
 can only use the partial indexes (``WHERE status = 'pending'``) if the
@@ -61,6 +68,7 @@ UPDATE outbox_message
  WHERE id = ANY(ARRAY(
         SELECT c.id FROM outbox_message c
          WHERE c.status = 'pending' AND c.queue = %(queue)s AND c.handler = ANY(%(handlers)s)
+           AND (c.priority, c.id) >= (%(from_priority)s::int, %(from_id)s::bigint)
            AND c.available_at <= now()
            AND NOT EXISTS (SELECT 1 FROM outbox_pause p WHERE p.kind = 'queue' AND p.name = %(queue)s)
            AND NOT EXISTS (SELECT 1 FROM outbox_pause p WHERE p.kind = 'handler' AND p.name = c.handler)

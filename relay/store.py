@@ -41,6 +41,7 @@ from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
 
 from . import outcomes
 from . import sql_postgresql as pg
+from .claim_position import FRONT, Position
 from .db import LoopConnection
 from .outcomes import Completion
 
@@ -141,17 +142,20 @@ class Store:
         with self.engine.connect() as conn:
             return [q for (q,) in conn.execute(select(walk.c.queue).where(walk.c.queue.is_not(None)))]
 
-    def claim(self, queue: str, handlers: Sequence[str], limit: int) -> list[Row[Any]]:
+    def claim(
+        self, queue: str, handlers: Sequence[str], limit: int, start: Position = None
+    ) -> list[Row[Any]]:
         """Lease up to ``limit`` due messages of ``queue`` for ``handlers``, unless paused.
 
         The attempt is counted here, at claim time, so a message that kills its
         relay still uses up attempts and eventually goes dead instead of
-        crashing relays forever.
+        crashing relays forever. Rows sorting before ``start`` are left for a
+        claim from the front (``relay/claim_position.py``).
         """
         if limit <= 0 or not handlers:
             return []
         if self.fast:
-            params = self._claim_params(queue, handlers, limit)
+            params = self._claim_params(queue, handlers, limit, start)
             with self._autocommit.connect() as conn:
                 fast_rows = list(conn.exec_driver_sql(self._claim_sql, params))
             fast_rows.sort(key=lambda r: (r.priority, r.id))
@@ -163,6 +167,7 @@ class Store:
                 m.c.status == "pending",
                 m.c.queue == queue,
                 m.c.handler.in_(handlers),
+                tuple_(m.c.priority, m.c.id) >= tuple_(*(start or FRONT)),
                 m.c.available_at <= now,
                 *self._not_paused(queue),
                 self._group_is_free(),
@@ -188,22 +193,27 @@ class Store:
         rows.sort(key=lambda r: (r.priority, r.id))
         return rows
 
-    def _claim_params(self, queue: str, handlers: Sequence[str], limit: int) -> dict[str, Any]:
+    def _claim_params(
+        self, queue: str, handlers: Sequence[str], limit: int, start: Position
+    ) -> dict[str, Any]:
+        from_priority, from_id = start or FRONT
         return {
             "me": self.relay_id,
             "lease": self.lease.total_seconds(),
             "queue": queue,
             "handlers": list(handlers),
             "limit": limit,
+            "from_priority": from_priority,
+            "from_id": from_id,
         }
 
     async def claim_on(
-        self, conn: LoopConnection, queue: str, handlers: Sequence[str], limit: int
+        self, conn: LoopConnection, queue: str, handlers: Sequence[str], limit: int, start: Position = None
     ) -> list[Any]:
         """:meth:`claim` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if limit <= 0 or not handlers:
             return []
-        rows = await conn.fetch(self._claim_sql, self._claim_params(queue, handlers, limit))
+        rows = await conn.fetch(self._claim_sql, self._claim_params(queue, handlers, limit, start))
         rows.sort(key=lambda r: (r.priority, r.id))
         return rows
 
