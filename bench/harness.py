@@ -259,6 +259,18 @@ class RelayProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The process stopped (SIGSTOP) for the block: a measurement taken meanwhile shares no CPU with it.
+
+        Keep the block far shorter than the relay's lease, or its claims are recovered from under it.
+        """
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
     def status_kb(self, field_name: str) -> int:
         """A field of /proc/<pid>/status in kB (VmHWM: peak resident set, VmRSS: current)."""
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():

@@ -192,9 +192,10 @@ def _wait_and_sample(
     start at its position in the queue (the first row of its last claim,
     which :func:`_relay_position` approximates by the first row it holds);
     its claim from the front, once a second, steps over all of them. Both
-    are timed while the relay runs (their rows are locked and then released
-    by the rollback, so the relay only skips them for a moment): the time is
-    noisy, the buffers they read are not.
+    are timed with the relay process stopped (SIGSTOP, then SIGCONT, well
+    within its leases), so they compete for the CPUs with nothing, as the
+    claims before the drain did; their rows are locked and then released by
+    the rollback.
     """
     deadline = time.monotonic() + timeout
     warm_mb: float | None = None
@@ -210,14 +211,15 @@ def _wait_and_sample(
             if warm_mb is None and done >= warm:
                 warm_mb = relay.status_kb("VmRSS") / 1024
             if late is None and LATE * count <= done < count:
-                label = f"big, {done:,} of {count:,} delivered, the relay running"
+                label = f"big, {done:,} of {count:,} delivered, the relay stopped for it"
                 start = _relay_position(conn)
-                late = (
-                    explain_claim(
-                        url, label=f"{label}, from its position {start}", limit=limit, runs=3, start=start
-                    ),
-                    explain_claim(url, label=f"{label}, from the front", limit=limit, runs=3),
-                )
+                with relay.paused():
+                    late = (
+                        explain_claim(
+                            url, label=f"{label}, from its position {start}", limit=limit, runs=3, start=start
+                        ),
+                        explain_claim(url, label=f"{label}, from the front", limit=limit, runs=3),
+                    )
             if done >= reported + 100_000:
                 reported = done - done % 100_000
                 print(f"bench: scale: {done:,} of {count:,} delivered", file=sys.stderr, flush=True)
