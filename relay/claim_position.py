@@ -12,7 +12,8 @@ So while a queue has a backlog (the last claim came back full), the next
 claim starts at the first row the last one took, and steps over only the
 entries of rows claimed since. What sorts before that position and is still
 claimable (a retry that came due, a transaction that took its id early and
-committed late, a row of a higher priority, a claim another relay released)
+committed late, a row of a higher priority, the next row of a group whose
+previous one finished, a recovered lease, a claim another relay released)
 is picked up by a claim from the front, which is made:
 
 * whenever the last claim came back short (the backlog above the position
