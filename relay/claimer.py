@@ -147,37 +147,41 @@ class Claimer:
                 self._saturated = True
                 continue
             limit = min(self._batch_size, free)
-            began = rt.tracing.clock()
-            rows = await self._claim(queue, limit)
-            if rows:
-                rt.tracing.claimed(queue, len(rows), began)
-                claimed += len(rows)
-                self._dispatch(queue, rows)
-            if len(rows) == limit:
+            taken = await self._claim(queue, limit)
+            claimed += taken
+            if taken == limit:
                 more = True
                 if self._free(queue) <= 0:
                     self._saturated = True
         return claimed, more and not self._saturated
 
-    async def _claim(self, queue: str, limit: int) -> list[Any]:
-        """Up to ``limit`` rows of ``queue``, from its claim position while a backlog lasts."""
-        start = self._positions.start(queue)
-        rows = await self._claim_from(queue, limit, start)
-        self._positions.claimed(queue, start, rows, limit)
-        if start is not None and len(rows) < limit:
-            # The backlog after the position ran out; what sorts before it may be due now,
-            # and no NOTIFY would announce it.
-            rest = limit - len(rows)
-            front = await self._claim_from(queue, rest, None)
-            self._positions.claimed(queue, None, front, rest)
-            rows = sorted([*rows, *front], key=lambda r: (r.priority, r.id))
-        return rows
+    async def _claim(self, queue: str, limit: int) -> int:
+        """Claim and start up to ``limit`` rows of ``queue``, from its position while a backlog lasts.
 
-    async def _claim_from(self, queue: str, limit: int, start: Position) -> list[Any]:
+        When the backlog after the position ran out, what sorts before it may be
+        due now and no NOTIFY would announce it: a claim from the front takes
+        the rest. Each statement's rows are started before the next statement,
+        so a failure of the second leaves the first one's rows in flight, not
+        held until their leases run out.
+        """
+        start = self._positions.start(queue)
+        taken = await self._claim_from(queue, limit, start)
+        if start is not None and taken < limit:
+            taken += await self._claim_from(queue, limit - taken, None)
+        return taken
+
+    async def _claim_from(self, queue: str, limit: int, start: Position) -> int:
         rt = self._rt
+        began = rt.tracing.clock()
         if self._conn is not None:
-            return await rt.store.claim_on(self._conn, queue, rt.handlers, limit, start)
-        return await rt.db(rt.store.claim, queue, rt.handlers, limit, start)
+            rows = await rt.store.claim_on(self._conn, queue, rt.handlers, limit, start)
+        else:
+            rows = await rt.db(rt.store.claim, queue, rt.handlers, limit, start)
+        self._positions.claimed(queue, start, rows, limit)
+        if rows:
+            rt.tracing.claimed(queue, len(rows), began)
+            self._dispatch(queue, rows)
+        return len(rows)
 
     def _dispatch(self, queue: str, rows: list[Any]) -> None:
         log.debug(
