@@ -59,7 +59,7 @@ def test_a_full_claim_sets_the_position_and_a_short_one_clears_it():
     assert positions.start("q") is None
 
 
-def test_a_backlog_is_claimed_from_the_front_again_at_least_every_front_scan_every():
+def test_a_backlog_is_claimed_from_the_front_again_once_front_scan_every_has_passed():
     clock = Clock()
     positions = ClaimPositions(clock)
     positions.claimed("q", None, rows((0, 1), (0, 2)), limit=2)
