@@ -51,9 +51,8 @@ from typing import Any
 import psycopg
 from sqlalchemy.engine import URL
 
-from relay.claim_position import FRONT
 from relay.db import SHORT_STATEMENTS
-from relay.sql_postgresql import CLAIM
+from relay.sql_postgresql import CLAIM, claim_start
 
 from .app import ob
 from .bulk import fill_history, fill_session, vacuum_analyze
@@ -97,15 +96,13 @@ class ClaimPlan:
 
 def _claim_params(queue: str, limit: int, start: tuple[int, int] | None) -> dict[str, Any]:
     handlers = sorted(r.name for r in ob.routes if r.queue == queue)
-    from_priority, from_id = start or FRONT
     return {
         "me": "bench-explain",
         "lease": 30.0,
         "queue": queue,
         "handlers": handlers,
         "limit": limit,
-        "from_priority": from_priority,
-        "from_id": from_id,
+        **claim_start(start),
     }
 
 

@@ -52,7 +52,9 @@ predicate is spelled out in the query text.
 
 from __future__ import annotations
 
-__all__ = ["CLAIM", "COMPLETE", "PENDING_QUEUES", "claim_sql"]
+from .claim_position import FRONT, Position
+
+__all__ = ["CLAIM", "COMPLETE", "PENDING_QUEUES", "claim_sql", "claim_start"]
 
 # Empty headers (most messages) come back as NULL: nothing for the relay to decode.
 _COLUMNS = (
@@ -89,6 +91,13 @@ def claim_sql(block_on_dead: bool) -> str:
 
 
 CLAIM = claim_sql(True)
+
+
+def claim_start(start: Position) -> dict[str, int]:
+    """The claim's ``from_priority`` and ``from_id`` parameters: where its scan starts (None: the front)."""
+    from_priority, from_id = start or FRONT
+    return {"from_priority": from_priority, "from_id": from_id}
+
 
 COMPLETE = """
 WITH outcome AS (

@@ -196,15 +196,13 @@ class Store:
     def _claim_params(
         self, queue: str, handlers: Sequence[str], limit: int, start: Position
     ) -> dict[str, Any]:
-        from_priority, from_id = start or FRONT
         return {
             "me": self.relay_id,
             "lease": self.lease.total_seconds(),
             "queue": queue,
             "handlers": list(handlers),
             "limit": limit,
-            "from_priority": from_priority,
-            "from_id": from_id,
+            **pg.claim_start(start),
         }
 
     async def claim_on(
