@@ -137,6 +137,10 @@ def retry_after(value: str | None, *, now: float | None = None) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER)
 
 
+#: Connections open and kept alive as the deliveries in flight need them (idle ones close after 5 s).
+UNLIMITED_POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=5.0)
+
+
 class HostClients:
     """HTTP clients of one event loop, one per destination host.
 
@@ -144,6 +148,11 @@ class HostClients:
     httpx pools connections by IP and port, so a shared client could reuse a
     TLS connection authenticated for one host name to talk to another host that
     resolves to the same IP; a client per host name rules that out.
+
+    The pool sets no limit of its own: the relay's concurrency (and a queue's
+    cap) already bounds the requests in flight, and a second, lower limit here
+    would make deliveries queue for a connection inside their attempt's
+    timeout. httpx's default pool stops at 100 connections per client.
     """
 
     def __init__(self, timeout: float, ssl_context: ssl.SSLContext | None) -> None:
@@ -163,6 +172,7 @@ class HostClients:
                 trust_env=False,
                 headers={"user-agent": USER_AGENT},
                 verify=self._verify,
+                limits=UNLIMITED_POOL,
             )
         self._clients.move_to_end(host)
         self._busy[host] = self._busy.get(host, 0) + 1

@@ -19,11 +19,12 @@ from outbox._routes import check_name
 __all__ = ["DEFAULT_CONCURRENCY", "default_relay_id", "positive", "queue_caps", "queue_names"]
 
 #: Deliveries in flight per relay by default. A relay is one event loop, so the figure does not
-#: grow with the machine's cores; 100 is where a no-op drain stops gaining much (10 in flight
-#: leaves it waiting on round trips: 6,200 msg/s against 17,700 at 100, see docs/performance.md),
-#: and it matches httpx's default connection pool, so webhooks need no more sockets than that.
-#: A receiver that cannot take 100 at once gets a per-queue cap (``queue_concurrency``).
-DEFAULT_CONCURRENCY = 100
+#: grow with the machine's cores. Below about 100 a drain waits on round trips (10 in flight:
+#: 6,200 msg/s against 17,700 at 100); 200 drained 16-18 % faster than 100 on 2 cores (see
+#: docs/performance.md, "Choosing the concurrency" in docs/relay.md). The webhook handler's
+#: connection pool follows it. A receiver that cannot take this many at once gets a per-queue
+#: cap (``queue_concurrency``).
+DEFAULT_CONCURRENCY = 200
 
 
 def positive(what: str, value: object, *, integer: bool = False, zero: bool = False) -> Any:

@@ -85,13 +85,17 @@ class Received:
     at: float
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 512  # a burst of concurrent connects is accepted, not dropped at listen()
+
+
 class Receiver:
     """A ThreadingHTTPServer on 127.0.0.1 answering POSTs from a script (then ``default``)."""
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.script: list[Reply | Callable[[Received], Reply]] = []
         self.server_names: list[str | None] = []  # TLS SNI of each handshake
-        self.default = Reply()
+        self.default: Reply | Callable[[Received], Reply] = Reply()
         self.requests: list[Received] = []
         self.released = threading.Event()
         self._lock = threading.Lock()
@@ -121,7 +125,7 @@ class Receiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         if tls is not None:
             tls.sni_callback = lambda sock, name, ctx: self.server_names.append(name)
@@ -722,6 +726,41 @@ def test_4xx_does_not_trip_the_breaker(receiver):
         with pytest.raises(PermanentError):
             call(handler, message({"n": n}))
     assert len(receiver.requests) == 3 and handler.outbox_breaker_states() == {}
+
+
+# -- concurrency ----------------------------------------------------------------------------
+
+
+def test_a_relay_keeps_more_than_100_requests_open_to_one_host(engine, ob, maker, receiver):
+    """The relay's concurrency, not httpx's default pool of 100, bounds the requests to one receiver.
+
+    Each request is answered only once 150 are open at the same time; a pool
+    that stopped at 100 connections would leave them all waiting until the
+    receiver gives up and answers 503.
+    """
+    together = threading.Barrier(150, timeout=10)
+
+    def all_at_once(req: Received) -> Reply:
+        try:
+            together.wait()
+        except threading.BrokenBarrierError:
+            return Reply(status=503)
+        return Reply()
+
+    receiver.default = all_at_once
+    ob.route(
+        "order.paid",
+        WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, timeout=30),
+        name="partner",
+    )
+    with maker() as s, s.begin():
+        for n in range(150):
+            emit(s, "order.paid", {"n": n})
+    Relay(ob, engine, concurrency=150).run_until_idle()
+
+    assert len(receiver.requests) == 150
+    with engine.connect() as conn:
+        assert conn.execute(select(m.c.status, m.c.attempts).distinct()).all() == [("delivered", 1)]
 
 
 # -- rate limit -----------------------------------------------------------------------------
