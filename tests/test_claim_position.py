@@ -9,22 +9,27 @@ delivered within about a second, long before the backlog ends.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from invoices import Base, Invoice
 from relayproc import wait_until
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import select, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
-from outbox import RetryLater, emit
+from outbox import RetryLater, emit, signals
 from outbox.relay import Relay
 from outbox.relay.claim_position import FRONT_SCAN_EVERY, ClaimPositions
 
 m = outbox.outbox_message
+a = outbox.outbox_attempt
 
 BACKLOG = 1_500
 CONCURRENCY = 10
@@ -132,3 +137,78 @@ def test_rows_sorting_before_the_claim_position_are_delivered_within_a_second_of
         if late is not None:
             ids = {name: id_ for name, id_ in conn.execute(select(m.c.payload["name"].as_string(), m.c.id))}
             assert ids["late commit"] < ids["backlog 0"], "the late commit's row did not take its id early"
+
+
+def test_a_claim_that_fails_after_a_short_claim_from_the_position_leaves_that_claims_rows_delivering(
+    pg_engine: Engine, ob: outbox.Outbox, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The position's claim came back short, then the claim from the front fails: a real fault in between.
+
+    The relay's claim connection is terminated by the server between the two
+    statements of one round. The first statement's rows were started before
+    the second was sent, so they are delivered on their first attempt, not
+    held until their leases (60 s here) run out.
+    """
+    # The position is used for the second claim, however long the first handlers take on a busy host.
+    monkeypatch.setattr("outbox.relay.claim_position.FRONT_SCAN_EVERY", 3600.0)
+    gate: dict[str, Any] = {}
+    started: list[int] = []
+
+    @ob.handler("work", name="work")
+    async def work(msg):
+        if "open" not in gate:
+            gate["loop"], gate["open"] = asyncio.get_running_loop(), asyncio.Event()
+        started.append(msg.payload["n"])
+        await gate["open"].wait()
+
+    terminated: list[bool] = []
+
+    def cut_the_claim_connection(sender: Any, relay: Any, messages: list[Any]) -> None:
+        if len(messages) != 5 or terminated:  # only after the short claim from the position
+            return
+        with pg_engine.begin() as conn:
+            terminated.extend(
+                conn.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND application_name = 'outbox-relay claim'"
+                    )
+                ).scalars()
+            )
+
+    maker = sessionmaker(pg_engine)
+    ob.install(maker)
+    with maker() as s, s.begin():
+        for n in range(15):
+            emit(s, "work", {"n": n})
+    relay = Relay(ob, pg_engine, concurrency=10, batch_size=10, poll_interval=0.05, lease=60.0)
+    signals.message_claimed.connect(cut_the_claim_connection, sender=ob)
+    serving = threading.Thread(target=relay.run)
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    serving.start()
+    try:
+        # The first claim, from the front, fills every slot; its handlers wait for the gate.
+        wait_until(lambda: len(started) == 10, "the first claim's 10 handlers to start")
+        gate["loop"].call_soon_threadsafe(gate["open"].set)  # all 10 slots free at once
+        # Next: 5 rows from the position (short), then the claim from the front, which fails.
+
+        def all_delivered() -> bool:
+            with pg_engine.connect() as conn:
+                return set(conn.execute(select(m.c.status)).scalars()) == {"delivered"}
+
+        wait_until(all_delivered, "every message to be delivered, well before a lease could expire")
+    finally:
+        relay.stop()
+        serving.join(30)
+        signals.message_claimed.disconnect(cut_the_claim_connection, sender=ob)
+        ob.uninstall(maker)
+    assert not serving.is_alive()
+
+    assert terminated == [True], "the claim connection was not cut between the two claims"
+    assert [r.getMessage() for r in caplog.records if getattr(r, "action", None) == "db_error"]
+    assert sorted(started) == list(range(15))
+    with pg_engine.connect() as conn:
+        assert set(conn.execute(select(m.c.status, m.c.attempts))) == {("delivered", 1)}
+        assert sorted(conn.execute(select(a.c.message_id, a.c.attempt, a.c.outcome))) == [
+            (id_, 1, "delivered") for id_ in sorted(conn.execute(select(m.c.id)).scalars())
+        ]
