@@ -86,6 +86,12 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _in_claim_order(rows: list[Any]) -> list[Any]:
+    """``UPDATE ... RETURNING`` answers in no set order; dispatch and the claim position want the claim's."""
+    rows.sort(key=lambda r: (r.priority, r.id))
+    return rows
+
+
 class Store:
     def __init__(self, engine: Engine, relay_id: str, *, lease: float, group_policy: GroupPolicy) -> None:
         self.engine = engine
@@ -157,9 +163,7 @@ class Store:
         if self.fast:
             params = self._claim_params(queue, handlers, limit, start)
             with self._autocommit.connect() as conn:
-                fast_rows = list(conn.exec_driver_sql(self._claim_sql, params))
-            fast_rows.sort(key=lambda r: (r.priority, r.id))
-            return fast_rows
+                return _in_claim_order(list(conn.exec_driver_sql(self._claim_sql, params)))
         now = self.now()
         due = (
             select(m.c.id)
@@ -189,9 +193,7 @@ class Store:
             .returning(*_CLAIMED)
         )
         with self.engine.begin() as conn:
-            rows = list(conn.execute(claim, {"lease": self.bind_later(self.lease)}))
-        rows.sort(key=lambda r: (r.priority, r.id))
-        return rows
+            return _in_claim_order(list(conn.execute(claim, {"lease": self.bind_later(self.lease)})))
 
     def _claim_params(
         self, queue: str, handlers: Sequence[str], limit: int, start: Position
@@ -211,9 +213,9 @@ class Store:
         """:meth:`claim` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if limit <= 0 or not handlers:
             return []
-        rows = await conn.fetch(self._claim_sql, self._claim_params(queue, handlers, limit, start))
-        rows.sort(key=lambda r: (r.priority, r.id))
-        return rows
+        return _in_claim_order(
+            await conn.fetch(self._claim_sql, self._claim_params(queue, handlers, limit, start))
+        )
 
     @staticmethod
     def _not_paused(queue: str) -> list[ColumnElement[bool]]:
