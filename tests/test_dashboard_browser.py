@@ -297,6 +297,32 @@ def test_pause_and_resume_a_queue(page, dashboard, seeded, console):
     assert console == []
 
 
+def test_a_live_update_keeps_a_reason_being_typed_then_catches_up(page, dashboard, seeded, console):
+    """A change elsewhere must not wipe the form an operator is filling in; the page catches up after."""
+    dash = dashboard(allow_actions=True)
+    page.goto(dash.url("/queues"))
+    page.evaluate(
+        "window.__refreshed = []; document.addEventListener('outbox:refreshed',"
+        " function (e) { window.__refreshed.push(!!(e.detail && e.detail.held)); })"
+    )
+    reason = page.locator('tr[data-queue="billing"]').get_by_placeholder("reason")
+    reason.fill("vendor outage, per the status page")
+    ops.pause(seeded.engine, queue="mail", reason="elsewhere", actor="cli")  # the live feed announces it
+
+    deadline = time.monotonic() + 10
+    while not page.evaluate("window.__refreshed.slice()"):  # the page's CSP rules out wait_for_function
+        assert time.monotonic() < deadline, "no live update reached the page"
+        page.wait_for_timeout(50)
+    assert all(page.evaluate("window.__refreshed.slice()")), "a live update redrew the form being filled in"
+    expect(reason).to_have_value("vendor outage, per the status page")
+    expect(page.locator('tr[data-queue="mail"] [data-state]')).to_have_text("running")  # held, not redrawn
+
+    reason.fill("")
+    reason.blur()
+    expect(page.locator('tr[data-queue="mail"] [data-state]')).to_have_text("paused")
+    assert console == []
+
+
 SCRIPT = "<script>window.__xss=1</script>"
 ATTRIBUTE = '"><img src=x onerror="window.__xss=2">'
 

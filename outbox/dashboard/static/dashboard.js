@@ -6,6 +6,23 @@
   var state = document.querySelector("[data-live-state]");
   var busy = false;
   var again = false;
+  var held = false;  // a section was left as it was because someone is filling in a form there
+
+  // An operator typing a reason or ticking messages must not lose it to a live update:
+  // such a section waits until its fields are as the page drew them and none has the focus.
+  function changed(field) {
+    if (field.tagName === "SELECT") {
+      return Array.prototype.some.call(field.options, function (o) { return o.selected !== o.defaultSelected; });
+    }
+    if (field.type === "checkbox" || field.type === "radio") { return field.checked !== field.defaultChecked; }
+    return field.value !== field.defaultValue;
+  }
+
+  function editing(section) {
+    var focused = document.activeElement;
+    if (focused && section.contains(focused) && focused.matches("input, textarea, select")) { return true; }
+    return Array.prototype.some.call(section.querySelectorAll("input:not([type=hidden]), textarea, select"), changed);
+  }
 
   function refresh() {
     if (busy) { again = true; return; }
@@ -14,11 +31,14 @@
       .then(function (response) { return response.ok ? response.text() : Promise.reject(response.status); })
       .then(function (html) {
         var fresh = new DOMParser().parseFromString(html, "text/html");
+        held = false;
         document.querySelectorAll("[data-live][id]").forEach(function (old) {
           var replacement = fresh.getElementById(old.id);
-          if (replacement) { old.replaceWith(document.importNode(replacement, true)); }
+          if (!replacement) { return; }
+          if (editing(old)) { held = true; return; }
+          old.replaceWith(document.importNode(replacement, true));
         });
-        document.dispatchEvent(new CustomEvent("outbox:refreshed"));
+        document.dispatchEvent(new CustomEvent("outbox:refreshed", { detail: { held: held } }));
       })
       .catch(function () { if (state) { state.classList.add("stale"); } })
       .finally(function () {
@@ -26,6 +46,11 @@
         if (again) { again = false; refresh(); }
       });
   }
+
+  // Once the fields are back as drawn and left, the section catches up with what it missed.
+  document.addEventListener("focusout", function () {
+    if (held) { setTimeout(function () { if (held) { refresh(); } }, 0); }
+  });
 
   if (source && window.EventSource) {
     var events = new EventSource(source);
