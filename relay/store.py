@@ -163,7 +163,8 @@ class Store:
         if self.fast:
             params = self._claim_params(queue, handlers, limit, start)
             with self._autocommit.connect() as conn:
-                return _in_claim_order(list(conn.exec_driver_sql(self._claim_sql, params)))
+                fast_rows = list(conn.exec_driver_sql(self._claim_sql, params))
+            return _in_claim_order(fast_rows)
         now = self.now()
         due = (
             select(m.c.id)
@@ -193,7 +194,8 @@ class Store:
             .returning(*_CLAIMED)
         )
         with self.engine.begin() as conn:
-            return _in_claim_order(list(conn.execute(claim, {"lease": self.bind_later(self.lease)})))
+            rows = list(conn.execute(claim, {"lease": self.bind_later(self.lease)}))
+        return _in_claim_order(rows)
 
     def _claim_params(
         self, queue: str, handlers: Sequence[str], limit: int, start: Position
