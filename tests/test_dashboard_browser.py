@@ -32,6 +32,7 @@ from urllib.parse import urlencode
 import pytest
 import test_ops_cli
 from playwright.sync_api import ConsoleMessage, Page, Response, expect, sync_playwright
+from relayproc import wait_until
 from sqlalchemy.orm import Session
 from test_dashboard_serve import Served
 from test_ops_cli import Seeded, history_of, statuses
@@ -309,11 +310,9 @@ def test_a_live_update_keeps_a_reason_being_typed_then_catches_up(page, dashboar
     reason.fill("vendor outage, per the status page")
     ops.pause(seeded.engine, queue="mail", reason="elsewhere", actor="cli")  # the live feed announces it
 
-    deadline = time.monotonic() + 10
-    while not page.evaluate("window.__refreshed.slice()"):  # the page's CSP rules out wait_for_function
-        assert time.monotonic() < deadline, "no live update reached the page"
-        page.wait_for_timeout(50)
-    assert all(page.evaluate("window.__refreshed.slice()")), "a live update redrew the form being filled in"
+    # The page's CSP rules out Playwright's wait_for_function.
+    refreshed = wait_until(lambda: page.evaluate("window.__refreshed.slice()"), "a live update", timeout=10)
+    assert all(refreshed), "a live update redrew the form being filled in"
     expect(reason).to_have_value("vendor outage, per the status page")
     expect(page.locator('tr[data-queue="mail"] [data-state]')).to_have_text("running")  # held, not redrawn
 
