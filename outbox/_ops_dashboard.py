@@ -22,7 +22,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from ._ops_base import NotFound, OpsError, _has_copy, _now, a, m
 from ._ops_filters import MessageFilter
-from ._tables import MESSAGE_STATUSES
+from ._tables import MESSAGE_STATUSES, status_is_one_of
 
 __all__ = [
     "ACTIVITY_RETRIED",
@@ -110,7 +110,7 @@ def breakdown(engine: Engine, *, statuses: Sequence[str] | None = None) -> list[
             raise OpsError(f"statuses must be some of {', '.join(MESSAGE_STATUSES)}, got {statuses!r}")
         if not statuses:
             return []
-        stmt = stmt.where(m.c.status.in_(sorted(set(statuses))))
+        stmt = stmt.where(status_is_one_of(*sorted(set(statuses))))
     with engine.connect() as conn:
         rows = conn.execute(stmt).all()
     return [

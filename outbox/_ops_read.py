@@ -21,6 +21,7 @@ from ._ops_base import (
 from ._ops_filters import MessageFilter
 from ._pause import Pause, PauseSpan, paused_on, spans_over
 from ._redact import Redactor
+from ._tables import status_is_one_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ def stats(engine: Engine, *, counts: bool = True) -> Stats:
             queue: max(0.0, (now - first).total_seconds())
             for queue, first in conn.execute(
                 select(m.c.queue, func.min(m.c.created_at))
-                .where(m.c.status.in_(("pending", "running")))
+                .where(status_is_one_of("pending", "running"))
                 .group_by(m.c.queue)
             )
             if first is not None

@@ -20,7 +20,7 @@ from ._ops_base import (
     m,
 )
 from ._retention import history_purge_allowed
-from ._tables import outbox_retention_run
+from ._tables import outbox_retention_run, status_is_one_of
 
 run = outbox_retention_run
 
@@ -188,7 +188,7 @@ def _unresolved() -> ColumnElement[bool]:
     """
     requeued = select(a.c.id).where(a.c.message_id == m.c.id, a.c.outcome == "requeued").exists()
     return or_(
-        m.c.status.in_(("pending", "running")),
+        status_is_one_of("pending", "running"),
         and_(m.c.status == "dead", ~_has_copy(), ~requeued),
     )
 

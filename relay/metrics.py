@@ -24,6 +24,7 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.engine import Engine
 
 from outbox import ConfigurationError, Message, outbox_message, outbox_pause
+from outbox._tables import status_is_one_of
 
 from .outcomes import Completion
 
@@ -166,7 +167,7 @@ class RelayMetrics:
                     func.count(),
                     func.coalesce(func.sum(case((and_(m.c.status == "dead", has_copy), 1), else_=0)), 0),
                 )
-                .where(m.c.status.in_(("pending", "running", "dead")))
+                .where(status_is_one_of("pending", "running", "dead"))
                 .group_by(m.c.status)
             ).all()
             oldest = conn.execute(
