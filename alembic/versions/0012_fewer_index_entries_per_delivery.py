@@ -5,9 +5,9 @@ Revises: outbox_0011
 Create Date: 2026-12-10
 
 A message's status changes twice on its way to ``delivered`` (claimed, then
-finished). PostgreSQL cannot update such a row in place (the status is in
-indexes and partial-index predicates), so each change writes a new entry into
-every index the row belongs to. Three of those entries were never read:
+finished). Because the status is in indexes and partial-index predicates,
+PostgreSQL cannot make such an update heap-only: each change writes a new
+entry into every index the row belongs to. Three of those entries were never read:
 
 - ``ix_outbox_message_status_handler`` now leaves out delivered rows. Every
   query that reads it asks for other statuses (counts of unfinished and dead
@@ -17,7 +17,8 @@ every index the row belongs to. Three of those entries were never read:
 - ``ix_outbox_message_lease`` is dropped: lease recovery finds running rows
   through ``ix_outbox_message_status_handler``, which holds them anyway (they
   are a relay's in-flight messages, a few hundred at most). A lease renewal,
-  which changes only ``locked_until``, can now update its row in place.
+  which changes only ``locked_until``, now adds no index entry when the row's
+  page has room (a heap-only update).
 
 The predicate is written as equalities joined by OR because SQLite uses a
 partial index only when a term of the query appears in it.
