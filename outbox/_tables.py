@@ -142,9 +142,9 @@ outbox_message = Table(
         postgresql_where=text("requeued_from IS NOT NULL"),
         sqlite_where=text("requeued_from IS NOT NULL"),
     ),
-    # Every finished-row count but "delivered" (most of the table), and lease recovery (running
-    # rows). Partial, because each status change writes a new entry into every index the row is
-    # in: a delivery would add one more, to an index nothing reads delivered rows through.
+    # Counts and listings by status, for every status but "delivered" (most of the table), and
+    # lease recovery (running rows). Partial, because each status change writes a new entry into
+    # every index the row is in: a delivery would add one more, to an index nothing reads it by.
     Index(
         "ix_outbox_message_status_handler",
         "status",
