@@ -58,7 +58,10 @@ def test_scale_mode_delivers_every_message_once_over_the_prefilled_history(pg_ba
     }
     assert result["big_run"].history_rows == HISTORY + PENDING
     assert result["small_run"].history_rows == SMALL
-    assert len(result["plans"]) in (3, 4)
+    late = (result["big_run"].late_claim, result["big_run"].late_front_claim)
+    # the late claims are timed in a pair, or not at all when the drain ends between two of the mode's polls
+    assert late == (None, None) or None not in late
+    assert len(result["plans"]) == 3 + sum(plan is not None for plan in late)
     for plan in result["plans"]:
         assert any(line.startswith("Update on outbox_message") for line in plan.plan)
         assert len(plan.runs) in (3, 5)
