@@ -23,6 +23,16 @@ import outbox
 PG_ENV = "OUTBOX_TEST_DATABASE_URL"
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """One worker more than the cores, at most eight.
+
+    A test spends most of its time waiting (on a relay subprocess, a commit, a
+    server it started), so one spare worker keeps the cores busy; more than
+    that makes the timing-bound fault tests wait on each other's CPU.
+    """
+    return min((os.cpu_count() or 1) + 1, 8)
+
+
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("template") / "outbox.db"
