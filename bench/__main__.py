@@ -31,6 +31,8 @@ from .peers import PEER_MODES, peer_rows, run_peers
 from .scale import add_arguments as add_scale_arguments
 from .scale import scale_mode
 from .scale import targets as scale_targets
+from .shapes import shapes_mode
+from .shapes import targets as shapes_targets
 from .tracing import emit_tracing_overhead
 from .verdicts import rate_ratio_verdict, verdict
 from .verify import Unverified
@@ -85,9 +87,11 @@ MODES = (
     "nats",
     "rabbitmq",
     "scale",
+    "shapes",
 )
-#: What runs without ``--only``: the scale mode takes minutes, so it runs only when asked for.
-DEFAULT_MODES = tuple(m for m in MODES if m != "scale")
+#: What runs without ``--only``: the scale mode takes minutes, and the table-shape prototype
+#: answers a design question rather than measuring this build, so they run only when asked for.
+DEFAULT_MODES = tuple(m for m in MODES if m not in ("scale", "shapes"))
 #: The dashboard's timed pages: JSON key part, table label.
 DASHBOARD_PAGES = (
     ("overview", "overview /"),
@@ -127,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_modes,
         default=DEFAULT_MODES,
         metavar="MODE[,MODE...]",
-        help=f"run only these modes, of: {', '.join(MODES)} (default: all but scale)",
+        help=f"run only these modes, of: {', '.join(MODES)} (default: all but scale and shapes)",
     )
     p.add_argument(
         "--explain", type=Path, help="write the dashboard mode's EXPLAIN (ANALYZE, BUFFERS) plans here"
@@ -375,6 +379,15 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
         if want("scale"):
             dashboard_ran = want("dashboard")  # the claim plans go after its plans in --explain
             scale_mode(r.mode, out, args, scratch, small=sizes.drain, settings=settings, append=dashboard_ran)
+        if want("shapes"):
+            shapes_mode(
+                r.mode,
+                out,
+                scratch,
+                count=5 * sizes.drain,
+                batch_size=settings.batch_size,
+                rounds=1 if args.quick else 3,
+            )
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
@@ -601,6 +614,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 )
             )
     rows.extend(scale_targets(out))
+    rows.extend(shapes_targets(out))
     return rows
 
 

@@ -27,12 +27,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+from sqlalchemy.engine import URL
 
 from .app import ob
 from .harness import Scratch, conninfo, prefill
 from .verify import Expected, check_delivered
 
-__all__ = ["ceiling"]
+__all__ = ["CLAIM", "DELIVERED", "RELAY_ID", "ceiling", "claim_and_complete"]
 
 RELAY_ID = "ceiling"
 
@@ -78,6 +79,16 @@ def ceiling(scratch: Scratch, *, count: int, batch_size: int, runs: int = 3) -> 
 def _loop(scratch: Scratch, purpose: str, *, count: int, batch_size: int) -> float:
     url = scratch.postgres(purpose)
     prefill(url, "noop", count)
+    seconds = claim_and_complete(url, batch_size=batch_size)
+    check_delivered(url, Expected(count, relays=[RELAY_ID]))
+    return count / seconds
+
+
+def claim_and_complete(
+    url: URL, *, batch_size: int, claim_sql: str = CLAIM, delivered_sql: str = DELIVERED, history: bool = True
+) -> float:
+    """Seconds to claim and complete every due ``noop`` message, batch by batch (the other
+    statements are ``bench/shapes.py``'s other table shapes)."""
     route = ob.get_route("noop")
     claim = {"relay": RELAY_ID, "queue": route.queue, "handlers": ["noop"], "limit": batch_size}
     # Two connections, as the relay has; claims and outcomes are both durable, as the relay's are.
@@ -87,7 +98,7 @@ def _loop(scratch: Scratch, purpose: str, *, count: int, batch_size: int) -> flo
     ):
         began = time.perf_counter()
         while True:
-            rows = claimer.execute(CLAIM, claim).fetchall()
+            rows = claimer.execute(claim_sql, claim).fetchall()
             if not rows:
                 break
             started = datetime.now(UTC)
@@ -102,8 +113,7 @@ def _loop(scratch: Scratch, purpose: str, *, count: int, batch_size: int) -> flo
                 "finished": [finished] * len(ids),
             }
             with conn.pipeline(), conn.transaction():
-                conn.execute(DELIVERED, outcome)
-                conn.execute(HISTORY, outcome)
-        seconds = time.perf_counter() - began
-    check_delivered(url, Expected(count, relays=[RELAY_ID]))
-    return count / seconds
+                conn.execute(delivered_sql, outcome)
+                if history:
+                    conn.execute(HISTORY, outcome)
+        return time.perf_counter() - began
