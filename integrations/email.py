@@ -38,6 +38,8 @@ import logging
 import math
 import os
 import ssl as ssl_module
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -70,10 +72,21 @@ __all__ = ["EmailHandler", "RateLimiter", "SentLog", "SentRecord", "email_metada
 
 log = logging.getLogger("outbox.integrations.email")
 
-#: The longest a delivery holds its worker thread waiting for the rate limit; a longer wait is
-#: handed back to the relay as a deferral that does not use up an attempt. With the default
-#: route timeout (30 s) and SMTP timeout (20 s), wait plus conversation still fit the route's.
+#: The longest a delivery holds its worker thread waiting, for a connection slot and the rate
+#: limit together; a longer wait is handed back to the relay as a deferral that does not use up
+#: an attempt. With the default route timeout (30 s) and SMTP timeout (20 s), the waits plus the
+#: conversation still fit the route's.
 MAX_RATE_WAIT = 5.0
+
+#: SMTP connections one handler has open at once, by default. The relay runs up to its
+#: concurrency (200 by default) deliveries at once, and a mail server that takes fewer answers
+#: the rest with 421 at connect: each such answer would use up an attempt, so a long backlog
+#: could exhaust its messages' attempts against a server that was only busy. Mail servers
+#: commonly allow a few to a few dozen connections from one client.
+DEFAULT_MAX_CONNECTIONS = 10
+
+#: When a delivery that found every connection busy is tried again.
+BUSY_RETRY = 1.0
 
 #: ``context_loader(message)``: more template context, loaded when the message runs.
 ContextLoader = Callable[[Message], Mapping[str, Any]]
@@ -83,7 +96,8 @@ class EmailHandler:
     """Send a message's payload as one email over SMTP.
 
     A plain callable: the relay runs it on a worker thread, one SMTP connection
-    per mail. Safe to share between concurrent deliveries.
+    per mail, at most ``max_connections`` of them at once (``None``: as many as
+    the relay runs deliveries). Safe to share between concurrent deliveries.
     """
 
     def __init__(
@@ -99,6 +113,7 @@ class EmailHandler:
         templates: str | os.PathLike[str] | BaseLoader | None = None,
         timeout: float = 20.0,
         rate_limit: float | RateLimiter | None = None,
+        max_connections: int | None = DEFAULT_MAX_CONNECTIONS,
         sent_log: SentLog | Engine | bool | None = True,
         context_loader: ContextLoader | None = None,
         ssl_context: ssl_module.SSLContext | None = None,
@@ -120,6 +135,12 @@ class EmailHandler:
         if ssl_context is not None and not isinstance(ssl_context, ssl_module.SSLContext):
             raise ConfigurationError(
                 f"EmailHandler: ssl_context must be an ssl.SSLContext, got {ssl_context!r}"
+            )
+        if max_connections is not None and (
+            isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1
+        ):
+            raise ConfigurationError(
+                f"EmailHandler: max_connections must be an integer >= 1 or None, got {max_connections!r}"
             )
         if context_loader is not None and not callable(context_loader):
             raise ConfigurationError("EmailHandler: context_loader must be a callable taking the Message")
@@ -154,6 +175,8 @@ class EmailHandler:
             if rate_limit is None or isinstance(rate_limit, RateLimiter)
             else RateLimiter(rate_limit)
         )
+        self.max_connections = max_connections
+        self._connections = None if max_connections is None else threading.BoundedSemaphore(max_connections)
         self.context_loader = context_loader
         self._templates = environment(templates) if templates is not None else None
         if password is not None and not (starttls or ssl) and not _is_loopback(host):
@@ -237,9 +260,21 @@ class EmailHandler:
                 }
         mail = self.build(message)
         recipients = [*mail["To"].addresses]
-        accepted = transact(
-            self._smtp, self._sender, recipients, mail, scrub=self._scrub, before_data=self._wait_for_rate
-        )
+        began = time.monotonic()
+        self._take_connection()
+        try:
+            budget = MAX_RATE_WAIT - (time.monotonic() - began)
+            accepted = transact(
+                self._smtp,
+                self._sender,
+                recipients,
+                mail,
+                scrub=self._scrub,
+                before_data=lambda: self._wait_for_rate(budget),
+            )
+        finally:
+            if self._connections is not None:
+                self._connections.release()
         detail: dict[str, Any] = {
             "message_id": message_id,
             "smtp_code": accepted.code,
@@ -276,11 +311,29 @@ class EmailHandler:
                 detail={"reason": "sent_log_unavailable"},
             ) from None
 
-    def _wait_for_rate(self) -> None:
+    def _take_connection(self) -> None:
+        """A slot among ``max_connections``, or a deferral that does not use up an attempt."""
+        if self._connections is None:
+            return
+        if not self._connections.acquire(timeout=min(MAX_RATE_WAIT, self.timeout / 2)):
+            raise RetryLater(
+                f"all {self.max_connections} SMTP connections to {self.host}:{self.port} are busy; "
+                "rescheduled, nothing sent",
+                delay=BUSY_RETRY,
+                detail={
+                    "reason": "connections_busy",
+                    "smtp_host": self.host,
+                    "max_connections": self.max_connections,
+                },
+                counts_as_attempt=False,
+            )
+
+    def _wait_for_rate(self, budget: float) -> None:
+        """Wait for the rate limit, for what is left of ``MAX_RATE_WAIT`` after the connection slot."""
         if self.rate_limiter is None:
             return
         try:
-            self.rate_limiter.acquire_sync(max_wait=min(MAX_RATE_WAIT, self.timeout))
+            self.rate_limiter.acquire_sync(max_wait=min(max(budget, 0.0), self.timeout))
         except RateLimited as exc:
             raise RetryLater(
                 f"rate limit for {self.host} reached; rescheduled",
