@@ -24,7 +24,7 @@ from outbox import Backoff, ConfigurationError, Message, Outbox, RetryLater, emi
 from outbox.integrations.email import EmailHandler
 from outbox.relay import Relay
 
-m, a = outbox.outbox_message, outbox.outbox_attempt
+m = outbox.outbox_message
 
 
 class Counting:
