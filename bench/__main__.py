@@ -413,6 +413,7 @@ def _nats_mode(
             nats_outbox_per_s=figures["outbox_per_s"],
             nats_ratio=figures["ratio"],
             nats_relay_cpu_us_per_msg=round(figures["relay_cpu_us_per_msg"], 1),
+            nats_raw_cpu_us_per_msg=round(figures["raw_cpu_us_per_msg"], 1),
         )
 
 
@@ -552,8 +553,9 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             (
                 "NATS publish (outbox / raw)",
                 f"{_fmt(out.get('nats_outbox_per_s'), ',.0f')} / {_fmt(out.get('nats_raw_per_s'), ',.0f')} "
-                f"msg/s, ratio {_fmt(ratio, '.2f')}; relay CPU "
-                f"{_fmt(out.get('nats_relay_cpu_us_per_msg'), '.0f')} us/msg",
+                f"msg/s, ratio {_fmt(ratio, '.2f')}; CPU relay / raw "
+                f"{_fmt(out.get('nats_relay_cpu_us_per_msg'), '.0f')} / "
+                f"{_fmt(out.get('nats_raw_cpu_us_per_msg'), '.0f')} us/msg",
                 "ratio >= 0.70",
                 rate_ratio_verdict(out, None if ratio is None else ratio >= 0.70),
             )
