@@ -7,6 +7,7 @@ to name a destination, talk HTTP to a checked address and read the answer.
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import math
 import re
@@ -28,6 +29,7 @@ from ._ssrf import IPAddress, literal_address
 
 __all__ = [
     "EXCERPT_CHARS",
+    "ConnectionsBusy",
     "MAX_CLIENTS",
     "MAX_RETRY_AFTER",
     "HostClients",
@@ -141,25 +143,70 @@ def retry_after(value: str | None, *, now: float | None = None) -> float | None:
 UNLIMITED_POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=5.0)
 
 
+class ConnectionsBusy(Exception):
+    """Every connection a destination may have stayed busy for the whole wait; nothing was sent."""
+
+
+@dataclass(slots=True)
+class _Slots:
+    free: asyncio.Semaphore
+    users: int = 0  # holding a slot or waiting for one: the entry goes when the last one leaves
+
+
 class HostClients:
-    """HTTP clients of one event loop, one per destination host.
+    """HTTP clients of one event loop, one per destination host, and each destination's connection slots.
 
     Requests go to a checked IP with the host name in ``Host`` and in TLS SNI.
     httpx pools connections by IP and port, so a shared client could reuse a
     TLS connection authenticated for one host name to talk to another host that
     resolves to the same IP; a client per host name rules that out.
 
-    The pool sets no limit of its own: the relay's concurrency (and a queue's
-    cap) already bounds the requests in flight, and a second, lower limit here
-    would make deliveries queue for a connection inside their attempt's
+    httpx's pool sets no limit of its own: without ``max_connections`` the
+    relay's concurrency (and a queue's cap) bounds the requests in flight, and
+    with it :meth:`slot` does, before the request's timeout starts. A limit in
+    httpx's pool would make deliveries queue for a connection inside that
     timeout. httpx's default pool stops at 100 connections per client.
     """
 
-    def __init__(self, timeout: float, ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, timeout: float, ssl_context: ssl.SSLContext | None, max_connections: int | None = None
+    ) -> None:
         self._timeout = timeout
         self._verify: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self._clients: OrderedDict[str, httpx.AsyncClient] = OrderedDict()
         self._busy: dict[str, int] = {}
+        self._max_connections = max_connections
+        self._slots: dict[str, _Slots] = {}
+
+    @asynccontextmanager
+    async def slot(self, destination: str, *, wait: float) -> AsyncIterator[None]:
+        """One of the ``max_connections`` requests ``destination`` may have open at once.
+
+        Waiters are served in arrival order; one that waited ``wait`` seconds
+        raises :class:`ConnectionsBusy` instead. Without ``max_connections``
+        every request has a slot at once.
+        """
+        if self._max_connections is None:
+            yield
+            return
+        slots = self._slots.get(destination)
+        if slots is None:
+            slots = self._slots[destination] = _Slots(asyncio.Semaphore(self._max_connections))
+        slots.users += 1
+        try:
+            try:
+                async with asyncio.timeout(wait):
+                    await slots.free.acquire()
+            except TimeoutError:
+                raise ConnectionsBusy(destination) from None
+            try:
+                yield
+            finally:
+                slots.free.release()
+        finally:
+            slots.users -= 1
+            if not slots.users:
+                del self._slots[destination]
 
     @asynccontextmanager
     async def use(self, host: str) -> AsyncIterator[httpx.AsyncClient]:

@@ -22,7 +22,8 @@ secret. What happens next depends on the answer:
 other 4xx                     dead
 connection error, timeout     retried
 refused by the SSRF guard     dead, the reason recorded
-breaker open, rate limited    rescheduled without using an attempt (``counts_as_attempt=False``)
+breaker open, rate limited,   rescheduled without using an attempt (``counts_as_attempt=False``)
+all connections busy
 ============================  ================================================================
 """
 
@@ -52,6 +53,7 @@ from ._signing import SECRET_PREFIX, WebhookVerificationError, generate_secret, 
 from ._ssrf import AddressPolicy, BlockedAddress, IPNetwork, ResolutionFailed, literal_address
 from ._webhook_http import (
     EXCERPT_CHARS,
+    ConnectionsBusy,
     HostClients,
     Target,
     check_headers,
@@ -73,6 +75,10 @@ __all__ = [
 log = logging.getLogger("outbox.integrations.webhook")
 
 _RETRYABLE = frozenset({408, 425, 429})
+#: The longest a delivery waits for one of its destination's ``max_connections``; then it is
+#: rescheduled (``CONNECTIONS_BUSY_RETRY`` later), so a full destination never holds it for long.
+MAX_CONNECTION_WAIT = 5.0
+CONNECTIONS_BUSY_RETRY = 1.0
 _WEBHOOK_ID_NAMESPACE = uuid.UUID("7b1c6f0e-3a52-4c0b-9d1e-5f0a9b8c2d41")
 
 
@@ -108,7 +114,9 @@ class WebhookHandler:
     ``headers_to_payload_urls=True`` says every such host may see them. After
     ``breaker_threshold`` consecutive failures a host is paused for
     ``breaker_cooldown`` seconds. ``rate_limit`` caps requests per second
-    per host across every concurrent delivery of the relay. ``ssl_context``
+    per host across every concurrent delivery of the relay, and
+    ``max_connections`` caps the requests open to one host at once (``None``:
+    as many as the relay has deliveries in flight). ``ssl_context``
     replaces the default certificate verification (certifi's CAs), e.g. to
     trust a private CA; certificates are always checked against the URL's
     host name, even though the connection goes to the checked IP.
@@ -128,6 +136,7 @@ class WebhookHandler:
         breaker_threshold: int = 5,
         breaker_cooldown: float = 30.0,
         rate_limit: float | None = None,
+        max_connections: int | None = None,
         ssl_context: ssl.SSLContext | None = None,
         headers_to_payload_urls: bool = False,
         send_trace_context: bool = False,
@@ -145,6 +154,13 @@ class WebhookHandler:
         self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown)
         self._limiters = None if rate_limit is None else RateLimiters(_number("rate_limit", rate_limit))
         self.rate_limit = None if self._limiters is None else self._limiters.rate
+        if max_connections is not None and (
+            isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1
+        ):
+            raise ConfigurationError(
+                f"max_connections must be an integer >= 1 or None, got {max_connections!r}"
+            )
+        self.max_connections = max_connections
         self.ssl_context = ssl_context
         if not isinstance(headers_to_payload_urls, bool):
             raise ConfigurationError(
@@ -257,11 +273,25 @@ class WebhookHandler:
         healthy: bool | None = None
         try:
             await self._wait_for_rate(target)
+            wait = min(MAX_CONNECTION_WAIT, self.timeout / 2)
             try:
-                status, headers, excerpt = await self._send(target, msg_id, body)
-            except RetryLater:
-                healthy = False
-                raise
+                async with self._pool().slot(target.authority, wait=wait):
+                    try:
+                        status, headers, excerpt = await self._send(target, msg_id, body)
+                    except RetryLater:
+                        healthy = False
+                        raise
+            except ConnectionsBusy:
+                raise RetryLater(
+                    f"all {self.max_connections} connections to {target.authority} stayed busy; not sending",
+                    delay=CONNECTIONS_BUSY_RETRY,
+                    detail={
+                        "reason": "connections_busy",
+                        "host": target.authority,
+                        "max_connections": self.max_connections,
+                    },
+                    counts_as_attempt=False,
+                ) from None
             healthy = not (status >= 500 or status in _RETRYABLE)
             return self._classify(message, target, msg_id, status, headers, excerpt)
         finally:
@@ -304,7 +334,7 @@ class WebhookHandler:
         with self._pools_lock:
             pool = self._pools.get(loop)
             if pool is None:
-                pool = self._pools[loop] = HostClients(self.timeout, self.ssl_context)
+                pool = self._pools[loop] = HostClients(self.timeout, self.ssl_context, self.max_connections)
             return pool
 
     async def _send(self, target: Target, msg_id: str, body: bytes) -> tuple[int, httpx.Headers, str]:
