@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import ssl
 import threading
@@ -51,8 +50,9 @@ from ._breaker import CircuitBreaker, CircuitOpen
 from ._ratelimit import RateLimited, RateLimiters
 from ._signing import SECRET_PREFIX, WebhookVerificationError, generate_secret, parse_secrets, sign, verify
 from ._ssrf import AddressPolicy, BlockedAddress, IPNetwork, ResolutionFailed, literal_address
+from ._webhook_answers import classify
+from ._webhook_answers import healthy as is_healthy
 from ._webhook_http import (
-    EXCERPT_CHARS,
     ConnectionsBusy,
     HostClients,
     Target,
@@ -61,8 +61,8 @@ from ._webhook_http import (
     parse_target,
     payload_target,
     post,
-    retry_after,
 )
+from ._webhook_http import retry_after as retry_after  # importable from here, as before
 
 __all__ = [
     "WebhookHandler",
@@ -72,9 +72,6 @@ __all__ = [
     "webhook_id",
 ]
 
-log = logging.getLogger("outbox.integrations.webhook")
-
-_RETRYABLE = frozenset({408, 425, 429})
 #: The longest a delivery waits for one of its destination's ``max_connections``; then it is
 #: rescheduled (``CONNECTIONS_BUSY_RETRY`` later), so a full destination never holds it for long.
 MAX_CONNECTION_WAIT = 5.0
@@ -292,8 +289,8 @@ class WebhookHandler:
                     },
                     counts_as_attempt=False,
                 ) from None
-            healthy = not (status >= 500 or status in _RETRYABLE)
-            return self._classify(message, target, msg_id, status, headers, excerpt)
+            healthy = is_healthy(status)
+            return classify(message, target, msg_id, status, headers, excerpt)
         finally:
             if healthy is None:
                 permit.release()
@@ -372,49 +369,3 @@ class WebhookHandler:
                 f"connection to {target.authority} failed: {type(exc).__name__}: {exc}",
                 detail={"reason": "connection", "host": target.authority},
             ) from exc
-
-    def _classify(
-        self,
-        message: Message,
-        target: Target,
-        msg_id: str,
-        status: int,
-        headers: httpx.Headers,
-        excerpt: str,
-    ) -> dict[str, Any]:
-        detail: dict[str, Any] = {"status": status, "host": target.authority, "webhook_id": msg_id}
-        if 200 <= status < 300:
-            return detail
-        detail["response"] = excerpt
-        if 300 <= status < 400:
-            location = headers.get("location", "")
-            detail["location"] = location[:EXCERPT_CHARS]
-            raise PermanentError(
-                f"HTTP {status} from {target.authority} redirects to {location[:200]!r}; "
-                "redirects are refused (SSRF guard): configure the final URL",
-                detail=detail,
-            )
-        if status >= 500 or status in _RETRYABLE:
-            raw = headers.get("retry-after")
-            delay = retry_after(raw)
-            if raw is not None:
-                detail["retry_after"] = raw[:100]
-            raise RetryLater(f"HTTP {status} from {target.authority}", delay=delay, detail=detail)
-        if status == 410:
-            detail["gone"] = True
-            log.error(
-                "%s answered 410 Gone for route %s: the receiver retired this URL; message #%d is dead",
-                target.authority,
-                message.handler,
-                message.id,
-                extra={
-                    "action": "webhook_gone",
-                    "handler": message.handler,
-                    "message_id": message.id,
-                    "destination": target.authority,
-                },
-            )
-            raise PermanentError(f"HTTP 410 Gone from {target.authority}: endpoint retired", detail=detail)
-        if 400 <= status < 500:
-            raise PermanentError(f"HTTP {status} from {target.authority}", detail=detail)
-        raise RetryLater(f"unexpected HTTP status {status} from {target.authority}", detail=detail)
