@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pgcluster
 import pytest
@@ -20,7 +22,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
 
+if TYPE_CHECKING:
+    from bench.harness import Scratch
+
 PG_ENV = "OUTBOX_TEST_DATABASE_URL"
+#: The repository's root, where the bench package lives (it is not installed).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -63,6 +70,18 @@ def pg_base_url() -> Iterator[str]:
         yield cluster.url
     finally:
         cluster.destroy()
+
+
+@pytest.fixture
+def scratch(pg_base_url: str) -> Iterator[Scratch]:
+    """The bench's scratch space on the test server: every database a bench mode makes, dropped after."""
+    from bench.harness import Scratch
+
+    s = Scratch(pg_base_url)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 @pytest.fixture(scope="session")

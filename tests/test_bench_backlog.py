@@ -11,7 +11,7 @@ lost or repeated work.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +31,6 @@ pytestmark = pytest.mark.postgres
 COUNT = 200
 #: Small sizes, so "tuned" differs from the relay's defaults and takes several claims.
 SETTINGS = RelaySettings(concurrency=40, batch_size=20)
-
-
-@pytest.fixture
-def scratch(pg_base_url: str) -> Iterator[Scratch]:
-    s = Scratch(pg_base_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _execute(url: URL, sql: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -28,15 +27,6 @@ pytestmark = pytest.mark.postgres
 
 URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
 COUNT = 200
-
-
-@pytest.fixture
-def scratch(pg_base_url: str) -> Iterator[Scratch]:
-    s = Scratch(pg_base_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _stream_names() -> set[str | None]:

@@ -9,7 +9,6 @@ repeated work.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -25,15 +24,6 @@ from bench.verify import Unverified
 pytestmark = pytest.mark.postgres
 
 COUNT = 600
-
-
-@pytest.fixture
-def scratch(pg_base_url: str) -> Iterator[Scratch]:
-    s = Scratch(pg_base_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _database(scratch: Scratch, figures: dict[str, object]) -> URL:
