@@ -79,7 +79,7 @@ def test_a_busy_relay_opens_no_more_requests_to_a_host_than_the_cap_and_sends_ev
     engine, receivers, cap
 ):
     receiver = receivers[0]
-    holding = receiver.default = Holding(0.05)
+    holding = receiver.default = Holding(0.1)
     drain(engine, [receiver.url()], 24, max_connections=cap)
 
     assert len(receiver.requests) == 24
