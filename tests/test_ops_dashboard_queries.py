@@ -7,6 +7,7 @@ Messages are emitted and delivered or failed by a real :class:`~outbox.relay.Rel
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -282,11 +283,25 @@ def test_lineage_follows_a_requeue_chain_of_three_both_ways(shop):
 ROWS = [[n, f"r{n % 3}"] for n in range(10)]
 
 
-def report_job(ob: Outbox, engine: Engine, folder: Path, name: str, broken: set[int]) -> ReportJob:
-    """Ten rows in chunks of four (three chunks); chunks in ``broken`` fail for good."""
+def report_job(
+    ob: Outbox,
+    engine: Engine,
+    folder: Path,
+    name: str,
+    broken: set[int],
+    together: threading.Barrier | None = None,
+) -> ReportJob:
+    """Ten rows in chunks of four (three chunks); chunks in ``broken`` fail for good.
+
+    A run whose chunk is dead is failed, and its chunks that start after that
+    skip instead of running. With ``together``, the broken chunks fail only
+    once all of them have started, so every one of them dies.
+    """
 
     def rows(session: Session, params: dict[str, Any], offset: int, limit: int) -> list[list[Any]]:
         if offset // limit in broken:
+            if together is not None:
+                together.wait()
             raise PermanentError(f"warehouse lost chunk {offset // limit}")
         return ROWS[offset : offset + limit]
 
@@ -379,7 +394,9 @@ def test_a_dead_chunk_of_another_run_or_another_report_is_not_counted(engine, tm
     maker: sessionmaker[Session] = sessionmaker(engine)
     ob.install(maker)
     try:
-        sales = report_job(ob, engine, tmp_path, "sales", broken={0, 2})
+        # Two runs, two broken chunks each: all four fail together, before either run is failed.
+        together = threading.Barrier(4, timeout=30)
+        sales = report_job(ob, engine, tmp_path, "sales", broken={0, 2}, together=together)
 
         @ob.handler("audit.note", name="audit")
         def audit(msg: outbox.Message) -> None:
