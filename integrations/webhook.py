@@ -22,8 +22,8 @@ secret. What happens next depends on the answer:
 other 4xx                     dead
 connection error, timeout     retried
 refused by the SSRF guard     dead, the reason recorded
-breaker open, rate limited,   rescheduled without using an attempt (``counts_as_attempt=False``)
-all connections busy
+breaker open, rate limited    rescheduled without using an attempt (``counts_as_attempt=False``)
+all connections busy          rescheduled without using an attempt, nothing sent
 ============================  ================================================================
 """
 
@@ -266,7 +266,8 @@ class WebhookHandler:
                 counts_as_attempt=False,
             ) from None
         # The breaker hears only about the destination's health: a refusal before any request
-        # (SSRF guard, rate limit, cancellation) is no verdict, a 4xx proves the host is up.
+        # (SSRF guard, rate limit, connection cap, cancellation) is no verdict, a 4xx proves the
+        # host is up.
         healthy: bool | None = None
         try:
             await self._wait_for_rate(target)
