@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from bench.harness import Scratch
 
 PG_ENV = "OUTBOX_TEST_DATABASE_URL"
-#: The repository's root, where the bench package lives (it is not installed).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repository's root, where the bench package lives (it is not installed). Appended, not
+# inserted: the checkout's alembic/ and outbox/ folders must not shadow the installed packages.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

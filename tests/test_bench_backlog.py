@@ -10,7 +10,6 @@ lost or repeated work.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,10 @@ import psycopg
 import pytest
 from sqlalchemy.engine import URL
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package lives at the root
-
-from bench.backlog import backlog_ratios, backlog_rows, flag_sets, run_backlog  # noqa: E402
-from bench.drain import RelaySettings  # noqa: E402
-from bench.harness import Scratch, conninfo, prefill  # noqa: E402
-from bench.verify import Expected, Unverified, check_delivered, read_traces  # noqa: E402
+from bench.backlog import backlog_ratios, backlog_rows, flag_sets, run_backlog
+from bench.drain import RelaySettings
+from bench.harness import Scratch, conninfo, prefill
+from bench.verify import Expected, Unverified, check_delivered, read_traces
 
 pytestmark = pytest.mark.postgres
 

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-# Appended, not inserted: the checkout's alembic/ folder must not shadow the alembic package.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-
-from bench.emit import emit_overhead  # noqa: E402
-from bench.emit_report import emit_figures, emit_targets  # noqa: E402
+from bench.emit import emit_overhead
+from bench.emit_report import emit_figures, emit_targets
 
 KEYS = (
     "emit_overhead_ratio",

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
-from pathlib import Path
 
 import nats
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package lives at the root
-
-from bench.drain import RelaySettings  # noqa: E402
-from bench.harness import Scratch  # noqa: E402
-from bench.nats import nats_publish  # noqa: E402
-from bench.verify import Expected, check_delivered  # noqa: E402
+from bench.drain import RelaySettings
+from bench.harness import Scratch
+from bench.nats import nats_publish
+from bench.verify import Expected, check_delivered
 
 pytestmark = pytest.mark.postgres
 

@@ -8,18 +8,15 @@ that checked the wrong thing would still fail here.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import psycopg
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package lives at the root
-
-from bench.__main__ import DEFAULT_MODES, MODES, main  # noqa: E402
-from bench.drain import RelaySettings  # noqa: E402
-from bench.harness import Scratch, conninfo  # noqa: E402
-from bench.scale import scale  # noqa: E402
+from bench.__main__ import DEFAULT_MODES, MODES, main
+from bench.drain import RelaySettings
+from bench.harness import Scratch, conninfo
+from bench.scale import scale
 
 pytestmark = pytest.mark.postgres
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import psycopg
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package lives at the root
-
-from bench.__main__ import DEFAULT_MODES, MODES, main  # noqa: E402
-from bench.harness import Scratch, conninfo, prefill  # noqa: E402
-from bench.shapes import NARROW_TABLE, SHAPES, _check, _run  # noqa: E402
-from bench.verify import Unverified  # noqa: E402
+from bench.__main__ import DEFAULT_MODES, MODES, main
+from bench.harness import Scratch, conninfo, prefill
+from bench.shapes import NARROW_TABLE, SHAPES, _check, _run
+from bench.verify import Unverified
 
 pytestmark = pytest.mark.postgres
 
