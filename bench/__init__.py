@@ -2,5 +2,6 @@
 
 Never timed tests: each mode measures one thing, verifies its own result
 (every message delivered exactly once, one history row per attempt) and
-refuses to report a figure otherwise. See ``docs/performance.md``.
+refuses to report a figure otherwise. ``docs/performance.md`` has today's figures and
+how to read them; ``bench/RESULTS.md`` the log of every run, newest first.
 """

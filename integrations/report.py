@@ -52,8 +52,8 @@ from sqlalchemy.engine import Engine, Row
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Message, Outbox, PermanentError, emit, signals
-from outbox._ops_reports import report_handler
 from outbox._routes import check_name
+from outbox.ops._reports import report_handler
 
 from ._report_tables import RUN_STATUSES, outbox_report_chunk, outbox_report_run, report_metadata
 

@@ -7,7 +7,6 @@ and an append-only audit of every attempt.
 
 from . import signals
 from ._backoff import Backoff
-from ._emit import emit
 from ._exceptions import (
     ConfigurationError,
     EmitError,
@@ -21,7 +20,6 @@ from ._exceptions import (
 )
 from ._message import Handler, Message
 from ._migrations import VERSION_TABLE, downgrade, include_name, include_object, upgrade
-from ._mixin import OutboxMixin
 from ._outbox import Outbox
 from ._routes import Route
 from ._sqlite import enable_sqlite_savepoints
@@ -36,6 +34,8 @@ from ._tables import (
     outbox_relay_registry,
     outbox_retention_run,
 )
+from ._write.emit import emit
+from ._write.mixin import OutboxMixin
 
 __all__ = [
     "Backoff",

@@ -1,5 +1,5 @@
 import sys
 
-from outbox._cli import main
+from outbox.cli import main
 
 sys.exit(main())

@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
-from ._payload import DEFAULT_PAYLOAD_LIMIT
 from ._routes import Route, Transform, check_name, check_priority, handler_name
+from ._write.install import install as install_listeners
+from ._write.install import uninstall as uninstall_listeners
+from ._write.payload import DEFAULT_PAYLOAD_LIMIT
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -62,7 +64,7 @@ class Outbox:
         self.default_backoff = Backoff() if default_backoff is None else default_backoff
         if not isinstance(pipeline_writes, bool):
             raise ConfigurationError(f"pipeline_writes must be True or False, got {pipeline_writes!r}")
-        #: On psycopg, send the commit's INSERT with the COMMIT (see ``_pipeline``).
+        #: On psycopg, send the commit's INSERT with the COMMIT (see ``outbox._write.pipeline``).
         #: False keeps it an ordinary statement that SQLAlchemy's events see.
         self.pipeline_writes = pipeline_writes
         # Tracing (docs/tracing.md); every one of these is inert without the [otel] extra.
@@ -187,12 +189,8 @@ class Outbox:
         ``scoped_session``, the ``AsyncSession`` class (or a subclass) or an
         ``async_sessionmaker``. Installing the same target twice is harmless.
         """
-        from ._install import install
-
-        install(self, target)
+        install_listeners(self, target)
 
     def uninstall(self, target: Any) -> None:
         """Undo :meth:`install`; sessions from ``target`` can no longer emit."""
-        from ._install import uninstall
-
-        uninstall(self, target)
+        uninstall_listeners(self, target)

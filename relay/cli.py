@@ -38,9 +38,9 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from outbox import ConfigurationError, Outbox
 from outbox._argparse import OneLineParser, shown
 from outbox._first_line import first_line
-from outbox._payload import text_problem
 from outbox._routes import check_name
 from outbox._urls import check_url
+from outbox._write.payload import text_problem
 
 from .logs import configure
 from .metrics import RelayMetrics
@@ -279,7 +279,7 @@ def _freeze_startup_heap() -> None:
     A relay makes and drops millions of short-lived objects, so full
     collections keep coming, and each one walked every object the imports
     left behind (60,000 to 75,000 of them) to find nothing. With a NATS
-    publisher that was a tenth of the relay's CPU (docs/performance.md). No
+    publisher that was a tenth of the relay's CPU (bench/RESULTS.md, "The collector frozen at start-up"). No
     ``gc.collect()`` first: it finds nothing at this point and would cost the
     start of every ``--once`` run about 20 ms. Only the command does this: an
     application running ``Relay`` in its own process keeps its collector as it

@@ -21,7 +21,7 @@ __all__ = ["DEFAULT_CONCURRENCY", "default_relay_id", "positive", "queue_caps", 
 #: Deliveries in flight per relay by default. A relay is one event loop, so the figure does not
 #: grow with the machine's cores. Below about 100 a drain waits on round trips (10 in flight:
 #: 6,200 msg/s against 17,700 at 100); 200 drained 16-25 % faster than 100 on two 2-core hosts
-#: (docs/performance.md, run V; "Choosing the concurrency" in docs/relay.md). The webhook
+#: (bench/RESULTS.md, run V; "Choosing the concurrency" in docs/relay.md). The webhook
 #: handler's connection pool sets no lower limit of its own. A receiver that cannot take this
 #: many at once gets a per-queue cap (``queue_concurrency``).
 DEFAULT_CONCURRENCY = 200

@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import ConfigurationError, Outbox, signals
-from outbox._ops_relays import REGISTRY_PERIOD
 from outbox._redact import Redactor
 from outbox._routes import check_name
+from outbox.ops._relays import REGISTRY_PERIOD
 
 from .db import Listener, make_engine, supports_listen
 from .dispatch import secrets_of

@@ -25,8 +25,8 @@ from sqlalchemy.engine import Engine
 
 import outbox
 from outbox import ops
-from outbox._ops_dashboard import breakdown, count_messages
 from outbox.ops import MessageFilter
+from outbox.ops._dashboard import breakdown, count_messages
 from outbox.relay import Relay
 
 Statement = tuple[str, Any]

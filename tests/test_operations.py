@@ -447,7 +447,7 @@ def guide_commands() -> list[list[str]]:
 
 
 def test_every_command_in_the_guide_parses():
-    from outbox._cli_args import build_parser as outbox_parser
+    from outbox.cli._args import build_parser as outbox_parser
     from outbox.relay.cli import _parser as relay_parser
 
     commands = guide_commands()

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
 from outbox import Backoff, Outbox, PermanentError, emit, ops
-from outbox._cli import main as outbox_main
+from outbox.cli import main as outbox_main
 from outbox.relay import Relay
 
 m = outbox.outbox_message

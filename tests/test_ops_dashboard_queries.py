@@ -23,8 +23,8 @@ from test_ops_cli import FAST, ok_json, run
 
 import outbox
 from outbox import Outbox, OutboxMixin, PermanentError, emit, ops
-from outbox._ops_reports import report_chunk_table, report_run_table
 from outbox.integrations.report import ReportJob, outbox_report_chunk, outbox_report_run
+from outbox.ops._reports import report_chunk_table, report_run_table
 from outbox.relay import Relay
 
 m, a = outbox.outbox_message, outbox.outbox_attempt

@@ -1,7 +1,7 @@
 """The commit's outbox INSERT rides with the COMMIT on psycopg: what users can rely on.
 
 The write made by the commit's own flush is sent in psycopg pipeline mode and
-its reply is read with the COMMIT's (outbox/_pipeline.py). These tests pin the
+its reply is read with the COMMIT's (outbox/_write/pipeline.py). These tests pin the
 promises that must survive that: the event is stored if and only if the
 transaction commits; a failure of the INSERT, of the COMMIT or of the
 connection is raised from ``commit()`` as SQLAlchemy's own exception and stores
@@ -25,7 +25,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InvalidRequestError, Oper
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
-from outbox import ConfigurationError, InvalidEmitOption, Outbox, _pipeline, emit
+from outbox import ConfigurationError, InvalidEmitOption, Outbox, emit
+from outbox._write import pipeline as _pipeline
 
 
 @pytest.fixture

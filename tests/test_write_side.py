@@ -137,7 +137,7 @@ def test_history_is_append_only(maker, engine):
         refused = r"append-only|outbox_purge_in_progress"
         with pytest.raises(DatabaseError, match=refused), engine.begin() as conn:
             conn.execute(text(statement))
-    from outbox._retention import history_purge_allowed
+    from outbox.ops._retention import history_purge_allowed
 
     run_id = _purge_record(engine, datetime.now(UTC) + timedelta(days=1))
     with engine.begin() as conn, history_purge_allowed(conn, run_id):
@@ -147,7 +147,7 @@ def test_history_is_append_only(maker, engine):
 
 
 def test_postgresql_history_leaves_only_through_a_recorded_purge_and_only_below_its_cutoff(pg_engine):
-    from outbox._retention import history_purge_allowed
+    from outbox.ops._retention import history_purge_allowed
 
     old, recent = datetime.now(UTC) - timedelta(days=100), datetime.now(UTC)
     _history_row(pg_engine, old)

@@ -14,7 +14,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .._urls import sync_engine
-from . import _actions, _live, _pages
+from . import _actions, _events, _live, _pages
 from ._format import FILTERS
 from ._overview import finished_counts, unfinished_counts
 from ._security import Auth, SecurityHeaders
@@ -87,7 +87,7 @@ def create_app(
     routes = [
         *_pages.ROUTES,
         *_actions.ROUTES,
-        Route("/events", _live.events),
+        Route("/events", _events.events),
         Mount("/static", app=StaticFiles(packages=[("outbox.dashboard", "static")]), name="static"),
     ]
     app = Starlette(

@@ -16,8 +16,8 @@ from urllib.parse import urlencode
 from starlette.datastructures import ImmutableMultiDict
 
 from .. import ops
-from .._ops_base import MAX_ID, utc_time
 from .._tables import MESSAGE_STATUSES
+from ..ops._base import MAX_ID, utc_time
 
 __all__ = ["FILTER_FIELDS", "BadInput", "ListQuery", "message_id", "parse_list_query", "reason_and_ids"]
 

@@ -1,4 +1,4 @@
-"""Live pages: one change feed per app, fanned out to every open page as server-sent events.
+"""Live pages: one change feed per app, fanned out to every open page (``_events`` streams it).
 
 However many pages are open, the database sees one watcher: it re-reads
 :func:`outbox.ops.change_marker` every ``poll_interval`` (SQLite), or when
@@ -18,20 +18,16 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
 
 from .. import ops
 from .._first_line import first_line
 
-__all__ = ["ChangeFeed", "events"]
+__all__ = ["ChangeFeed"]
 
 log = logging.getLogger("outbox.dashboard")
 
 #: With LISTEN, how often the watcher still looks for changes NOTIFY does not announce.
 LISTEN_POLL = 3.0
-#: Comment lines that keep proxies from closing a quiet stream.
-KEEPALIVE = 15.0
 
 
 class ChangeFeed:
@@ -122,42 +118,3 @@ class ChangeFeed:
 
         listener = Listener(self._engine, on_notify=self._wake.set, on_listening=self._wake.set)
         return asyncio.create_task(listener.run(), name="outbox-dashboard-listen")
-
-
-async def events(request: Request) -> Response:
-    """``text/event-stream``: an ``update`` event after every change; the page re-reads its live parts."""
-    from ._pages import allowed_to_read
-
-    refusal = await allowed_to_read(request)
-    if refusal is not None:
-        return refusal
-    from ._settings import settings_of
-
-    feed = settings_of(request).feed
-
-    async def stream() -> AsyncIterator[str]:
-        yield "retry: 3000\n\n"
-        changes = feed.subscribe().__aiter__()
-        pending: asyncio.Task[int] | None = None
-        try:
-            while True:
-                pending = pending or asyncio.ensure_future(changes.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE)
-                if not done:
-                    yield ": keepalive\n\n"
-                    continue
-                version = pending.result()
-                pending = None
-                yield f"event: update\ndata: {version}\n\n"
-        finally:
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
-            await changes.aclose()  # type: ignore[attr-defined]
-
-    return StreamingResponse(
-        stream(),
-        media_type="text/event-stream",
-        headers={"cache-control": "no-store", "x-accel-buffering": "no"},
-    )

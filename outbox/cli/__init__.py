@@ -34,14 +34,14 @@ from collections.abc import Sequence
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import ops
-from ._cli_args import PROG, Failed, build_parser, database_url_from
-from ._cli_commands import COMMANDS
-from ._cli_dashboard import check_dashboard_args
-from ._exceptions import ConfigurationError
-from ._first_line import first_line
-from ._migrations import missing_outbox_table, upgrade
-from ._urls import sync_engine
+from .. import ops
+from .._exceptions import ConfigurationError
+from .._first_line import first_line
+from .._migrations import missing_outbox_table, upgrade
+from .._urls import sync_engine
+from ._args import PROG, Failed, build_parser, database_url_from
+from ._commands import COMMANDS
+from ._dashboard import check_dashboard_args
 
 __all__ = ["main"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from sqlalchemy.engine import Engine, make_url
 
-from . import ops
-from ._cli_args import PROG, Failed, login_name, message_filter
-from ._cli_dashboard import run_dashboard
+from .. import ops
+from ._args import PROG, Failed, login_name, message_filter
+from ._dashboard import run_dashboard
 
 
 def _print_json(data: Any) -> None:

@@ -26,10 +26,10 @@ from sqlalchemy import and_, exists, func, insert, or_, select, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from ._exceptions import ConfigurationError
-from ._ops_base import OpsError, _check_reason, _now, m
-from ._routes import check_name
-from ._tables import outbox_pause, outbox_pause_log
+from .._exceptions import ConfigurationError
+from .._routes import check_name
+from .._tables import outbox_pause, outbox_pause_log
+from ._base import OpsError, _check_reason, _now, m
 
 __all__ = ["NotPaused", "Pause", "PauseResult", "PauseSpan", "pause", "paused", "resume"]
 

@@ -28,8 +28,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from ._exceptions import OutboxError
-from ._tables import outbox_message
+from .._exceptions import OutboxError
+from .._tables import outbox_message
 
 __all__ = ["PayloadEquals", "parse_where"]
 

@@ -16,10 +16,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import Insert
 
-from ._exceptions import ConfigurationError, EmitError, OutboxError
-from ._payload import text_problem
-from ._pending import PendingEvent
-from ._tables import outbox_message
+from .._exceptions import ConfigurationError, EmitError, OutboxError
+from .._tables import outbox_message
+from .payload import text_problem
+from .pending import PendingEvent
 
 __all__ = ["aggregate_identity", "write_events"]
 
@@ -149,7 +149,7 @@ def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]
 
 def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]], *, pipelined: bool) -> None:
     # Imported here: applications on SQLite never load psycopg.
-    from ._pipeline import pipeline_connection, send_in_pipeline
+    from .pipeline import pipeline_connection, send_in_pipeline
 
     statements = _psycopg_statements(rows)
     # One statement only: a refusal of the first of several would reach the
@@ -171,7 +171,7 @@ def write_events(connection: Connection, events: list[PendingEvent], *, pipeline
     """Store the events' rows in the connection's transaction.
 
     ``pipelined``: this is the commit's own write, which on psycopg may ride
-    with the COMMIT (see ``_pipeline``); elsewhere it is an ordinary INSERT.
+    with the COMMIT (see ``pipeline``); elsewhere it is an ordinary INSERT.
     """
     rows = _rows(events)
     if not rows:

@@ -20,8 +20,8 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Integer, Select, String, Text, and_, column, func, or_, select, table
 from sqlalchemy.engine import Engine, Row
 
-from ._ops_base import NotFound, OpsError, _has_copy, m
-from ._types import UTCDateTime
+from .._types import UTCDateTime
+from ._base import NotFound, OpsError, _has_copy, m
 from ._where import PayloadEquals
 
 __all__ = [

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.orm import Session, SessionTransaction
 
-if TYPE_CHECKING:
-    from ._outbox import Outbox
+from .settings import EmitSettings
 
 __all__ = ["PendingEvent", "SessionEvents", "events_of", "innermost"]
 
@@ -33,7 +32,7 @@ _INFO_KEY = "_sqlalchemy_outbox_events"
 
 @dataclass(slots=True, eq=False)
 class PendingEvent:
-    outbox: Outbox
+    outbox: EmitSettings
     event_id: uuid.UUID
     rows: list[dict[str, Any]]
     aggregate: Any = None

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, func, literal, select
 from sqlalchemy.engine import Connection, Engine, Row
 
-from ._ops_base import (
+from ._base import (
     DISCARDABLE,
     REQUEUABLE,
     NotFound,
@@ -45,7 +45,7 @@ class MessageFilter:
     payload: Sequence[PayloadEquals] = field(default_factory=tuple)
 
     def apply(self, stmt: Select[Any]) -> Select[Any]:
-        from ._tables import MESSAGE_STATUSES
+        from .._tables import MESSAGE_STATUSES
 
         if self.status is not None and self.status not in MESSAGE_STATUSES:
             raise OpsError(f"unknown status {self.status!r}; one of {', '.join(MESSAGE_STATUSES)}")

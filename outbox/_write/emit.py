@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
-from . import signals
-from ._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
-from ._install import outbox_for, write_late
-from ._payload import check_headers, route_document, serialise_payload, text_problem
-from ._pending import PendingEvent, events_of, innermost
-from ._routes import check_name, check_priority
-from ._tracing import emit_headers
-from ._write import AGGREGATE_LIMIT, aggregate_identity
+from .. import signals
+from .._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
+from .._routes import check_name, check_priority
+from .._tracing import emit_headers
+from .install import outbox_for, write_late
+from .payload import check_headers, route_document, serialise_payload, text_problem
+from .pending import PendingEvent, events_of, innermost
+from .rows import AGGREGATE_LIMIT, aggregate_identity
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession

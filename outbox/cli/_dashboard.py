@@ -77,7 +77,7 @@ def run_dashboard(engine: Engine, args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .dashboard import create_app, token_auth
+        from ..dashboard import create_app, token_auth
     except ImportError as exc:
         print(
             f"outbox dashboard: {exc.name or 'a dependency'} is not installed:"

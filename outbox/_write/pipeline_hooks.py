@@ -5,20 +5,23 @@ They are attached by ``Outbox.install`` at start-up, on the ``Engine`` and
 events mutates the list they iterate ("deque mutated during iteration"). This
 module imports nothing from psycopg, so applications on SQLite never load it;
 while no INSERT is pending, each hook is one truth test. What the hooks do is
-in ``_pipeline``.
+in ``pipeline``, which hands its handlers over (:func:`use_reader`) as it loads:
+an INSERT can only be pending once it has, so the hooks never import it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import Pool
 
-__all__ = ["attach", "attached", "is_last_commit_listener", "pending"]
+__all__ = ["Reader", "attach", "attached", "is_last_commit_listener", "pending", "use_reader"]
 
-#: Pending INSERTs by ``id()`` of their psycopg connection (values: ``_pipeline._Pending``).
+#: Pending INSERTs by ``id()`` of their psycopg connection (values: ``pipeline._Pending``).
 #: Each entry holds its connection, so the id cannot be reused while it exists;
 #: every end of the transaction (commit, rollback, pool reset, checkin,
 #: invalidation, close) removes it.
@@ -28,6 +31,25 @@ pending: dict[int, Any] = {}
 _POOL_EVENTS = ("reset", "checkin", "invalidate", "soft_invalidate", "close", "close_detached", "detach")
 
 _attached = False
+
+
+@dataclass(frozen=True, slots=True)
+class Reader:
+    """What reads or discards a pending reply, at each point SQLAlchemy can still touch the connection."""
+
+    before_statement: Callable[[Connection], None]
+    before_commit: Callable[[Connection], None]
+    before_rollback: Callable[[Connection], None]
+    leaving_pool: Callable[[Any], None]
+
+
+#: Set by ``pipeline`` when it loads, which is before anything can be pending.
+_reader: Reader | None = None
+
+
+def use_reader(reader: Reader) -> None:
+    global _reader
+    _reader = reader
 
 
 def attached() -> bool:
@@ -54,24 +76,18 @@ def is_last_commit_listener(connection: Connection) -> bool:
 
 
 def _before_statement(connection: Connection, *args: Any) -> None:
-    if pending:
-        from . import _pipeline
-
-        _pipeline.before_statement(connection)
+    if pending and _reader is not None:
+        _reader.before_statement(connection)
 
 
 def _before_commit(connection: Connection) -> None:
-    if pending:
-        from . import _pipeline
-
-        _pipeline.before_commit(connection)
+    if pending and _reader is not None:
+        _reader.before_commit(connection)
 
 
 def _before_rollback(connection: Connection) -> None:
-    if pending:
-        from . import _pipeline
-
-        _pipeline.before_rollback(connection)
+    if pending and _reader is not None:
+        _reader.before_rollback(connection)
 
 
 def _before_savepoint_rollback(connection: Connection, name: str, context: Any) -> None:
@@ -81,7 +97,5 @@ def _before_savepoint_rollback(connection: Connection, name: str, context: Any) 
 
 
 def _leaving_pool(dbapi_connection: Any, *args: Any) -> None:
-    if pending and dbapi_connection is not None:
-        from . import _pipeline
-
-        _pipeline.leaving_pool(dbapi_connection)
+    if pending and dbapi_connection is not None and _reader is not None:
+        _reader.leaving_pool(dbapi_connection)

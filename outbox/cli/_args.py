@@ -11,15 +11,15 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from . import ops
-from ._argparse import OneLineParser, shown
-from ._cli_dashboard import add_dashboard
-from ._exceptions import ConfigurationError
-from ._migrations import BRANCH
-from ._ops_base import MAX_ID, utc_time
-from ._payload import text_problem
-from ._tables import ATTEMPT_OUTCOMES
-from ._urls import check_url
+from .. import ops
+from .._argparse import OneLineParser, shown
+from .._exceptions import ConfigurationError
+from .._migrations import BRANCH
+from .._tables import ATTEMPT_OUTCOMES
+from .._urls import check_url
+from .._write.payload import text_problem
+from ..ops._base import MAX_ID, utc_time
+from ._dashboard import add_dashboard
 
 ENV_DATABASE_URL = "OUTBOX_DATABASE_URL"
 PROG = "outbox"

@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
 
-from ._tables import outbox_attempt, outbox_message, outbox_pause_log
+from .._tables import outbox_attempt, outbox_message, outbox_pause_log
 
 __all__ = ["change_marker"]
 

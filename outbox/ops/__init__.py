@@ -9,9 +9,9 @@ points back at it), so the audit trail stays complete.
 
 from __future__ import annotations
 
-from ._ops_actions import discard, requeue, requeued_key, retry_now
-from ._ops_base import NotFound, OpsError, parse_duration
-from ._ops_dashboard import (
+from ._actions import discard, requeue, requeued_key, retry_now
+from ._base import NotFound, OpsError, parse_duration
+from ._dashboard import (
     ACTIVITY_RETRIED,
     MAX_ACTIVITY_MINUTES,
     CappedCount,
@@ -24,11 +24,13 @@ from ._ops_dashboard import (
     count_messages,
     lineage,
 )
-from ._ops_filters import MessageFilter, candidate_ids, count_candidates, requeue_candidates
-from ._ops_live import change_marker
-from ._ops_read import MessageHistory, Stats, list_messages, show, stats
-from ._ops_relays import REGISTRY_PERIOD, HandlerSeen, RelaySeen, relays
-from ._ops_reports import (
+from ._filters import MessageFilter, candidate_ids, count_candidates, requeue_candidates
+from ._live import change_marker
+from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
+from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
+from ._read import MessageHistory, Stats, list_messages, show, stats
+from ._relays import REGISTRY_PERIOD, HandlerSeen, RelaySeen, relays
+from ._reports import (
     MAX_REPORT_RUNS,
     DeadChunk,
     ReportChunk,
@@ -38,8 +40,6 @@ from ._ops_reports import (
     report_run,
     report_runs,
 )
-from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
-from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
 from ._tail import HistoryEntry, HistoryFilter, follow_history
 from ._where import PayloadEquals, WhereError, parse_where
 

@@ -11,7 +11,8 @@ from sqlalchemy import ColumnElement, and_, delete, insert, literal, or_, select
 from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.exc import DBAPIError
 
-from ._ops_base import (
+from .._tables import outbox_retention_run, status_is_one_of
+from ._base import (
     OpsError,
     _before,
     _has_copy,
@@ -20,7 +21,6 @@ from ._ops_base import (
     m,
 )
 from ._retention import history_purge_allowed
-from ._tables import outbox_retention_run, status_is_one_of
 
 run = outbox_retention_run
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import ColumnElement, select
 
-from ._exceptions import OutboxError
-from ._tables import outbox_attempt, outbox_message
+from .._exceptions import OutboxError
+from .._tables import outbox_attempt, outbox_message
 
 m = outbox_message
 a = outbox_attempt

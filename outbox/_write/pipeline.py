@@ -5,24 +5,24 @@ and then the COMMIT's, and PostgreSQL sits idle while SQLAlchemy runs its
 commit machinery in between. In pipeline mode the INSERT is sent and executes
 while that Python runs; the COMMIT follows in the same pipeline, and one wait
 reads both replies. The benchmark's emit overhead fell from about 1.4 to about
-1.2 (docs/performance.md).
+1.2 (bench/RESULTS.md, "Emit").
 
 Such a commit goes through psycopg's ``Pipeline`` until psycopg has prepared
 the INSERT on the connection (as it prepares any statement, after
 ``prepare_threshold`` runs); later ones send that prepared statement straight
-through libpq (``_direct_pipeline``), which costs the request far less CPU.
+through libpq (``direct_pipeline``), which costs the request far less CPU.
 Both are read and handled alike below.
 
 A pending reply is a hazard for anything else that uses the connection: an
 error read by someone else's statement could be swallowed, after which the
-COMMIT would quietly turn into a ROLLBACK. So the caller (``_install``) only
+COMMIT would quietly turn into a ROLLBACK. So the caller (``install``) only
 pipelines when nothing but SQLAlchemy itself can run between the INSERT and the
 COMMIT: the root transaction's commit, on a connection the session began and
 will commit itself, sent once no flush or lifecycle listener can run any more
 (from the Outbox's ``after_flush`` if it is the last to run, else after the
 flush), with no ``before_commit`` listener after the Outbox's. Within that,
 every way SQLAlchemy can still touch the connection is hooked
-(``_pipeline_hooks``) and handled here:
+(``pipeline_hooks``) and handled here:
 
 - a statement first reads the pending reply; an error is raised there as
   SQLAlchemy's own exception, and raised again by the commit, which cannot
@@ -51,8 +51,8 @@ from psycopg import pq
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, StatementError
 
-from . import _pipeline_hooks as _hooks
-from ._direct_pipeline import DirectBatch, prepared_statement
+from . import pipeline_hooks as _hooks
+from .direct_pipeline import DirectBatch, prepared_statement
 
 __all__ = [
     "before_commit",
@@ -312,3 +312,13 @@ def _discard(pending: _Pending) -> None:
         _read(pending)
     except psycopg.Error as exc:
         log.debug("outbox INSERT discarded by a rollback: %s", type(exc).__name__)
+
+
+_hooks.use_reader(
+    _hooks.Reader(
+        before_statement=before_statement,
+        before_commit=before_commit,
+        before_rollback=before_rollback,
+        leaving_pool=leaving_pool,
+    )
+)

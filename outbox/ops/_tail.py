@@ -25,8 +25,8 @@ from typing import Any, Final
 from sqlalchemy import Select, func, literal, select
 from sqlalchemy.engine import Connection, Engine, Row
 
-from ._redact import Redactor
-from ._tables import outbox_attempt, outbox_message
+from .._redact import Redactor
+from .._tables import outbox_attempt, outbox_message
 
 __all__ = ["GAP_GRACE", "HistoryEntry", "HistoryFilter", "follow_history"]
 

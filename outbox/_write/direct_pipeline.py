@@ -5,7 +5,7 @@ psycopg's ``Pipeline`` costs an emitting request about 100 µs of CPU a commit
 executing the INSERT. Once psycopg has prepared the INSERT on a connection,
 this module sends Bind and Execute for that statement, then the COMMIT and a
 Sync, and reads the replies with libpq: about 100 µs of CPU less a commit
-(docs/performance.md).
+(bench/RESULTS.md, "Emit").
 
 The statement must be psycopg's, not one of our own: psycopg deallocates every
 prepared statement (``DEALLOCATE ALL``) at each rollback of a transaction and

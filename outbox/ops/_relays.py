@@ -24,8 +24,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import Connection, Engine
 
-from ._ops_base import OpsError, _now
-from ._tables import outbox_relay_registry
+from .._tables import outbox_relay_registry
+from ._base import OpsError, _now
 
 __all__ = ["MISSED_PERIODS", "REGISTRY_PERIOD", "HandlerSeen", "RelaySeen", "relays"]
 

@@ -9,24 +9,23 @@ on a ``sessionmaker`` never both write (or both signal) for the same session.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, SessionTransaction, scoped_session, sessionmaker
 
-from . import _pipeline_hooks, signals
-from ._exceptions import ConfigurationError, NotInstalled
-from ._pending import SessionEvents, events_of, innermost
-from ._tables import outbox_message
-from ._write import aggregate_identity, write_events
-
-if TYPE_CHECKING:
-    from ._outbox import Outbox
+from .. import signals
+from .._exceptions import ConfigurationError, NotInstalled
+from .._tables import outbox_message
+from . import pipeline_hooks
+from .pending import SessionEvents, events_of, innermost
+from .rows import aggregate_identity, write_events
+from .settings import EmitSettings
 
 __all__ = ["install", "outbox_for", "uninstall"]
 
-_served: dict[type[Session], Outbox] = {}
+_served: dict[type[Session], EmitSettings] = {}
 _listeners: dict[type[Session], list[tuple[str, Callable[..., Any]]]] = {}
 
 _TARGETS = (
@@ -91,7 +90,7 @@ def _owner(session: Session) -> type[Session] | None:
     return None
 
 
-def outbox_for(session: Session) -> Outbox:
+def outbox_for(session: Session) -> EmitSettings:
     owner = _owner(session)
     if owner is None:
         raise NotInstalled(
@@ -232,7 +231,7 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
         state = events_of(session, create=False)
         if state is None or not signals.messages_committed.receivers:
             return
-        queues: dict[Outbox, set[str]] = {}
+        queues: dict[EmitSettings, set[str]] = {}
         for pending in state.written():
             queues.setdefault(pending.outbox, set()).update(row["queue"] for row in pending.rows)
         for outbox, names in queues.items():
@@ -266,7 +265,7 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
     ]
 
 
-def install(outbox: Outbox, target: Any) -> None:
+def install(outbox: EmitSettings, target: Any) -> None:
     cls = _resolve(target)
     current = _served.get(cls)
     if current is not None and current is not outbox:
@@ -275,7 +274,7 @@ def install(outbox: Outbox, target: Any) -> None:
             "its own sessionmaker, or uninstall the other first"
         )
     if outbox.pipeline_writes:
-        _pipeline_hooks.attach()
+        pipeline_hooks.attach()
     if cls not in _listeners:
         listeners = _listeners_for(cls)
         for name, fn in listeners:
@@ -284,7 +283,7 @@ def install(outbox: Outbox, target: Any) -> None:
     _served[cls] = outbox
 
 
-def uninstall(outbox: Outbox, target: Any) -> None:
+def uninstall(outbox: EmitSettings, target: Any) -> None:
     cls = _resolve(target)
     if _served.get(cls) is not outbox:
         raise ConfigurationError(f"this Outbox is not installed on {cls.__name__}")

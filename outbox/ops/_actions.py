@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import func, insert, literal, select, text, update
 from sqlalchemy.engine import Connection, Engine, Row
 
-from ._ops_base import (
+from ._base import (
     ACTION_BATCH,
     DISCARDABLE,
     KEY_LIMIT,
@@ -23,7 +23,7 @@ from ._ops_base import (
     a,
     m,
 )
-from ._ops_filters import MessageFilter, _filtered_batches, _lock_all, _named, _tried, _waiting
+from ._filters import MessageFilter, _filtered_batches, _lock_all, _named, _tried, _waiting
 
 
 def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:

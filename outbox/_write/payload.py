@@ -9,10 +9,10 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._exceptions import InvalidEmitOption, PayloadError
+from .._exceptions import InvalidEmitOption, PayloadError
 
 if TYPE_CHECKING:
-    from ._routes import Route
+    from .._routes import Route
 
 __all__ = ["DEFAULT_PAYLOAD_LIMIT", "check_headers", "route_document", "serialise_payload", "text_problem"]
 

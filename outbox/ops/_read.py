@@ -10,7 +10,9 @@ from typing import Any
 from sqlalchemy import case, func, literal, select
 from sqlalchemy.engine import Engine, Row
 
-from ._ops_base import (
+from .._redact import Redactor
+from .._tables import status_is_one_of
+from ._base import (
     NotFound,
     OpsError,
     _has_copy,
@@ -18,10 +20,8 @@ from ._ops_base import (
     a,
     m,
 )
-from ._ops_filters import MessageFilter
+from ._filters import MessageFilter
 from ._pause import Pause, PauseSpan, paused_on, spans_over
-from ._redact import Redactor
-from ._tables import status_is_one_of
 
 
 @dataclass(frozen=True, slots=True)

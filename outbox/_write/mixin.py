@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 
 from sqlalchemy.orm import object_session
 
-from ._emit import emit
-from ._exceptions import EmitError
+from .._exceptions import EmitError
+from .emit import emit
 
 __all__ = ["OutboxMixin"]
 

@@ -20,9 +20,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from ._ops_base import NotFound, OpsError, _has_copy, _now, a, m
-from ._ops_filters import MessageFilter
-from ._tables import MESSAGE_STATUSES, status_is_one_of
+from .._tables import MESSAGE_STATUSES, status_is_one_of
+from ._base import NotFound, OpsError, _has_copy, _now, a, m
+from ._filters import MessageFilter
 
 __all__ = [
     "ACTIVITY_RETRIED",

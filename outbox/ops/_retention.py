@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 from sqlalchemy import Connection, text
 
-from ._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError
 
 __all__ = ["history_purge_allowed"]
 
