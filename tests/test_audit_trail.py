@@ -278,9 +278,10 @@ def test_each_purge_function_refuses_what_a_caller_could_abuse(roles, pg_engine)
             return conn.execute(text(statement), params).one()[0]
 
     for statement, why in (
-        ("SELECT outbox_purge_start('x', interval '-1 day')", "zero or more"),
-        ("SELECT outbox_purge_start('x', interval '0', interval '23 hours')", "at least 1 day"),
-        ("SELECT outbox_purge_start('x', interval '0', interval '-1 year')", "at least 1 day"),
+        ("SELECT outbox_purge_start('x', interval '-1 day')", "puts the cutoff after now"),
+        ("SELECT outbox_purge_start('x', NULL)", "delivered_older_than is required"),
+        ("SELECT outbox_purge_start('x', interval '0', interval '23 hours')", "less than 24 hours ago"),
+        ("SELECT outbox_purge_start('x', interval '0', interval '-1 year')", "less than 24 hours ago"),
         ("SELECT outbox_purge_start(' ', interval '0')", "actor"),
         ("SELECT outbox_purge_start(repeat('x', 256), interval '0')", "actor"),
         ("SELECT outbox_purge_start(NULL, interval '0')", "actor"),
@@ -304,6 +305,39 @@ def test_each_purge_function_refuses_what_a_caller_could_abuse(roles, pg_engine)
     call("SELECT outbox_purge_finish(:r)", r=own)
     refused(operator, f"SELECT * FROM outbox_purge_step({own}, 10)", f"purge run {own} is finished")
     refused(operator, f"SELECT outbox_purge_finish({own})", f"purge run {own} is finished")
+
+
+def test_an_interval_that_counts_months_cannot_pass_the_purge_floors(roles, pg_engine):
+    """'-12 mon 361 days' is more than a day as an interval (a month counts 30 days), yet
+    ``now()`` minus it lands days ahead: the floors hold on the cutoffs the run would record."""
+    seed_history(pg_engine, [1], started_at=datetime.now(UTC) - timedelta(seconds=5))
+    operator = roles.engine("outbox_operator")
+    for statement in (
+        "SELECT outbox_purge_start('nightly', interval '0', interval '-12 mon 361 days', true)",
+        "SELECT outbox_purge_start('nightly', interval '-12 mon 361 days')",
+    ):
+        refused(operator, statement, "puts the cutoff")
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(runs)).scalar_one() == 0
+    assert count(pg_engine, a) == 1
+
+
+def test_the_history_floor_counts_24_hours_not_a_calendar_day(roles, pg_engine):
+    """In a session time zone with daylight saving, "1 day" back is 23 hours on the day the clocks
+    change; the floor and the recorded cutoff count hours, whatever the zone."""
+    operator = roles.engine("outbox_operator")
+    with operator.begin() as conn:
+        conn.execute(text("SET LOCAL TIME ZONE 'Europe/Berlin'"))
+        with pytest.raises(DBAPIError, match="less than 24 hours ago"):
+            conn.execute(text("SELECT outbox_purge_start('x', interval '0', interval '23 hours 59 minutes')"))
+    with operator.begin() as conn:
+        run_id = conn.execute(
+            text("SELECT outbox_purge_start('x', interval '0', interval '24 hours')")
+        ).scalar_one()
+        conn.execute(text("SELECT outbox_purge_finish(:r)"), {"r": run_id})
+    with pg_engine.connect() as conn:
+        record = conn.execute(select(runs)).one()
+    assert record.started_at - record.history_before == timedelta(hours=24)
 
 
 def test_history_younger_than_a_day_is_never_purged(database_url, engine):
