@@ -24,7 +24,7 @@ from .db import LoopConnection
 from .deadline import Deadline
 from .dispatch import attempt, to_message
 from .outcomes import Completion
-from .runtime import Runtime, log
+from .run_context import RunContext, log
 from .store import utcnow
 from .threads import DaemonPool
 from .writer import OutcomeWriter
@@ -35,7 +35,7 @@ __all__ = ["Claimer"]
 class Claimer:
     def __init__(
         self,
-        rt: Runtime,
+        rt: RunContext,
         writer: OutcomeWriter,
         *,
         queues: Sequence[str] | None,

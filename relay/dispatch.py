@@ -2,7 +2,7 @@
 
 Knows nothing of SQL; it turns a claimed row into a :class:`~outbox.Message`,
 runs the handler, and returns a :class:`~outbox.relay.outcomes.Completion` that the
-worker writes back.
+outcome writer writes back.
 """
 
 from __future__ import annotations

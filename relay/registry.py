@@ -33,7 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox import Route, outbox_relay_registry
 
-from .runtime import Runtime, first_line, log
+from .run_context import RunContext, first_line, log
 from .store import utcnow
 
 __all__ = ["Registry", "handler_states"]
@@ -136,7 +136,7 @@ class Registry:
 
     def __init__(
         self,
-        rt: Runtime,
+        rt: RunContext,
         *,
         engine: Engine,
         queues: Sequence[str] | None,

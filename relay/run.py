@@ -1,7 +1,7 @@
 """One serve or one drain of a relay: the parts that live for that run, and its loop.
 
-A :class:`~outbox.relay.worker.Relay` is reusable: it may serve, stop and
-serve again, or drain many times. Everything a run builds (the runtime, the
+A :class:`~outbox.relay.relay.Relay` is reusable: it may serve, stop and
+serve again, or drain many times. Everything a run builds (the run context, the
 claimer, the writer, the lease keeper, the shutdown sequence, the registry
 row, the background tasks) belongs to a :class:`RelayRun` and ends with it,
 so the Relay itself keeps only its settings and the way to stop it.
@@ -24,13 +24,13 @@ from .db import Listener
 from .hooks import bind_handlers, shutdown_handlers, start_handlers
 from .leases import LeaseKeeper
 from .registry import Registry
-from .runtime import DrainResult, Runtime, backoff_delay, first_line, log, supervise
+from .run_context import DrainResult, RunContext, backoff_delay, first_line, log, supervise
 from .shutdown import Shutdown
 from .startup import check_database
 from .writer import OutcomeWriter
 
 if TYPE_CHECKING:
-    from .worker import Relay
+    from .relay import Relay
 
 __all__ = ["RelayRun"]
 
@@ -41,7 +41,7 @@ class RelayRun:
     def __init__(self, relay: Relay, *, on_close: Callable[[], None]) -> None:
         self.relay = relay
         self._on_close = on_close  # the relay's own clean-up, after this run's parts are closed
-        self.rt = rt = Runtime(
+        self.rt = rt = RunContext(
             relay,
             outbox=relay.outbox,
             store=relay.store,
@@ -235,7 +235,7 @@ class RelayRun:
         self._on_close()
 
 
-def _install_signals(rt: Runtime) -> None:
+def _install_signals(rt: RunContext) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, rt.request_stop, True)

@@ -11,7 +11,7 @@ one table without waiting on or double-claiming each other's rows. SQLite
 ignores row locks; it serialises writers, and one relay process at a time is
 the documented limit there.
 
-Methods are synchronous and short; the worker runs them in threads.
+Methods are synchronous and short; the relay runs them in threads.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from outbox import Message, signals
 from .announce import send
 from .db import LoopConnection
 from .outcomes import Completion
-from .runtime import Runtime, backoff_delay, first_line, log
+from .run_context import RunContext, backoff_delay, first_line, log
 
 __all__ = ["OutcomeWriter"]
 
@@ -40,7 +40,7 @@ LINGER = 0.005
 
 
 class OutcomeWriter:
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: RunContext) -> None:
         self._rt = rt
         self._buffer: list[Outcome] = []
         self._writing: list[Outcome] = []  # taken off the buffer, not yet known to be written

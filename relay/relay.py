@@ -14,11 +14,11 @@ Each long-running job has an owner of its own, with its own state:
 - :class:`~outbox.relay.registry.Registry` (``registry.py``): this relay's row
   in ``outbox_relay_registry``, for operators and dashboards.
 
-They share a :class:`~outbox.relay.runtime.Runtime` (settings, wake-up events,
-the database threads). A :class:`~outbox.relay.run.RelayRun` (``run.py``) makes
-them afresh each time the relay serves or drains, and runs the serve loop or
-the drain; this module holds the relay's settings and the ways to start and
-stop it.
+They share a :class:`~outbox.relay.run_context.RunContext` (``run_context.py``:
+settings, wake-up events, the database threads). A
+:class:`~outbox.relay.run.RelayRun` (``run.py``) makes them afresh each time the
+relay serves or drains, and runs the serve loop or the drain; this module holds
+the relay's settings and the ways to start and stop it.
 
 One asyncio loop owns all state. Database calls are short synchronous
 SQLAlchemy statements (``store``) run on a small thread pool; handlers run on
@@ -49,7 +49,7 @@ from .db import Listener, make_engine, supports_listen
 from .dispatch import secrets_of
 from .metrics import RelayMetrics
 from .run import RelayRun
-from .runtime import DrainResult
+from .run_context import DrainResult
 from .settings import DEFAULT_CONCURRENCY, default_relay_id, positive, queue_caps, queue_names
 from .startup import DatabaseUnavailable
 from .store import GroupPolicy, Store

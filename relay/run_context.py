@@ -1,6 +1,6 @@
 """What every part of one running relay shares: its settings, its wake-ups, its database threads.
 
-A :class:`Runtime` is made each time a relay starts serving or draining, and
+A :class:`RunContext` is made each time a relay starts serving or draining, and
 dropped when it stops. It holds no delivery state of its own: the claimer, the
 outcome writer and the lease keeper each own theirs, and reach each other only
 through the methods they offer. What is here is what they all need: the store,
@@ -29,9 +29,9 @@ from .store import Store
 from .tracing import RelayTracing
 
 if TYPE_CHECKING:
-    from .worker import Relay
+    from .relay import Relay
 
-__all__ = ["DrainResult", "Runtime", "backoff_delay", "first_line", "log", "supervise"]
+__all__ = ["DrainResult", "RunContext", "backoff_delay", "first_line", "log", "supervise"]
 
 log = logging.getLogger("outbox.relay")
 
@@ -93,7 +93,7 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, relay_id: 
         await asyncio.sleep(delay)
 
 
-class Runtime:
+class RunContext:
     """The shared context of one serve or drain; made on the event loop that runs it."""
 
     def __init__(
