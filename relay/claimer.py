@@ -196,7 +196,7 @@ class Claimer:
             send(
                 signals.message_claimed,
                 self._rt.outbox,
-                relay=self._rt.relay,
+                relay=self._rt.sender,
                 messages=[to_message(r) for r in rows],
             )
         for row, deadline in zip(rows, self._deadlines(rows), strict=True):

@@ -101,12 +101,12 @@ class LeaseKeeper:
                 rt.metrics.deliveries.labels(row.handler, "lease_expired").inc()
             message = to_message(row)
             if item.dead:
-                send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=item.reason)
+                send(signals.message_dead, rt.outbox, relay=rt.sender, message=message, error=item.reason)
             else:
                 send(
                     signals.retry_scheduled,
                     rt.outbox,
-                    relay=rt.relay,
+                    relay=rt.sender,
                     message=message,
                     outcome="lease_expired",
                     delay=item.retry_in,
