@@ -20,12 +20,12 @@ from outbox import Message, signals
 
 from .announce import send
 from .claim_position import ClaimPositions, Position
+from .clock import utcnow
 from .db import LoopConnection
 from .deadline import Deadline
 from .dispatch import attempt, to_message
 from .outcomes import Completion
 from .run_context import RunContext, log
-from .store import utcnow
 from .threads import DaemonPool
 from .writer import OutcomeWriter
 

@@ -23,9 +23,9 @@ from typing import Any
 from outbox import Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
+from .clock import utcnow
 from .deadline import Deadline
 from .outcomes import Completion
-from .store import utcnow
 
 __all__ = ["attempt", "is_async_handler", "to_message"]
 
