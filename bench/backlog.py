@@ -191,9 +191,9 @@ def run_backlog(
 
 def _default_concurrency() -> int | None:
     """The relay's default ``--concurrency`` in this build, for the report only (never passed)."""
-    from outbox.relay import worker
+    import outbox.relay
 
-    value = getattr(worker, "DEFAULT_CONCURRENCY", None)
+    value = getattr(outbox.relay, "DEFAULT_CONCURRENCY", None)
     return value if isinstance(value, int) else None
 
 

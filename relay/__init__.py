@@ -4,7 +4,7 @@ Importing this package is what an emitting application never has to do; the
 ``outbox-relay`` command and :class:`Relay` live here.
 """
 
+from .relay import DEFAULT_CONCURRENCY, DrainResult, Relay
 from .startup import DatabaseUnavailable
-from .worker import DrainResult, Relay
 
-__all__ = ["DatabaseUnavailable", "DrainResult", "Relay"]
+__all__ = ["DEFAULT_CONCURRENCY", "DatabaseUnavailable", "DrainResult", "Relay"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from blinker import NamedSignal
 
-from .runtime import log
+from .run_context import log
 
 __all__ = ["send"]
 

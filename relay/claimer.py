@@ -20,12 +20,12 @@ from outbox import Message, signals
 
 from .announce import send
 from .claim_position import ClaimPositions, Position
+from .clock import utcnow
 from .db import LoopConnection
 from .deadline import Deadline
 from .dispatch import attempt, to_message
 from .outcomes import Completion
-from .runtime import Runtime, log
-from .store import utcnow
+from .run_context import RunContext, log
 from .threads import DaemonPool
 from .writer import OutcomeWriter
 
@@ -35,7 +35,7 @@ __all__ = ["Claimer"]
 class Claimer:
     def __init__(
         self,
-        rt: Runtime,
+        rt: RunContext,
         writer: OutcomeWriter,
         *,
         queues: Sequence[str] | None,
@@ -196,7 +196,7 @@ class Claimer:
             send(
                 signals.message_claimed,
                 self._rt.outbox,
-                relay=self._rt.relay,
+                relay=self._rt.sender,
                 messages=[to_message(r) for r in rows],
             )
         for row, deadline in zip(rows, self._deadlines(rows), strict=True):

@@ -44,9 +44,9 @@ from outbox._write.payload import text_problem
 
 from .logs import configure
 from .metrics import RelayMetrics
+from .relay import Relay
 from .settings import DEFAULT_CONCURRENCY
 from .startup import DatabaseUnavailable
-from .worker import Relay
 
 __all__ = ["load_app", "main"]
 

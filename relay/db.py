@@ -4,7 +4,7 @@ NOTIFY is only a wake-up hint; polling is what guarantees delivery. The LISTEN
 connection is therefore never pooled and never trusted blindly: it waits for
 notifications with a timeout, checks the socket with a query when nothing
 arrived, and on any error reconnects with capped backoff. After every
-(re)LISTEN it asks the worker for a catch-up claim, because anything committed
+(re)LISTEN it asks the relay for a catch-up claim, because anything committed
 while it was not listening sent its NOTIFY to nobody.
 """
 
@@ -107,7 +107,7 @@ class LoopConnection:
     claims (on the commit-to-handler path) and batches of outcomes (on the
     throughput path) run here, each on a connection of its own.
     A failed statement drops the connection (the next use opens a new one) and
-    is raised as SQLAlchemy's ``DBAPIError``, so the worker handles one family
+    is raised as SQLAlchemy's ``DBAPIError``, so the relay handles one family
     of database errors whichever connection failed.
     """
 

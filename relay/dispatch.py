@@ -2,7 +2,7 @@
 
 Knows nothing of SQL; it turns a claimed row into a :class:`~outbox.Message`,
 runs the handler, and returns a :class:`~outbox.relay.outcomes.Completion` that the
-worker writes back.
+outcome writer writes back.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 from outbox import Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
+from .clock import utcnow
 from .deadline import Deadline
 from .outcomes import Completion
-from .store import utcnow
 
 __all__ = ["attempt", "is_async_handler", "to_message"]
 

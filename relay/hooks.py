@@ -28,7 +28,7 @@ from outbox import ConfigurationError, Route
 from outbox._redact import Redactor
 
 from .leases import recover_period
-from .runtime import log
+from .run_context import log
 
 __all__ = ["bind_handlers", "longest_retry_gap", "shutdown_handlers", "start_handlers"]
 

@@ -21,7 +21,7 @@ from outbox import signals
 
 from .announce import send
 from .dispatch import to_message
-from .runtime import Runtime, first_line, log
+from .run_context import RunContext, first_line, log
 
 __all__ = ["LeaseKeeper", "recover_period"]
 
@@ -35,7 +35,7 @@ def recover_period(lease: float) -> float:
 
 
 class LeaseKeeper:
-    def __init__(self, rt: Runtime, *, lease: float, held_ids: Callable[[], list[int]]) -> None:
+    def __init__(self, rt: RunContext, *, lease: float, held_ids: Callable[[], list[int]]) -> None:
         self._rt = rt
         self._lease = lease
         self._held_ids = held_ids
@@ -101,12 +101,12 @@ class LeaseKeeper:
                 rt.metrics.deliveries.labels(row.handler, "lease_expired").inc()
             message = to_message(row)
             if item.dead:
-                send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=item.reason)
+                send(signals.message_dead, rt.outbox, relay=rt.sender, message=message, error=item.reason)
             else:
                 send(
                     signals.retry_scheduled,
                     rt.outbox,
-                    relay=rt.relay,
+                    relay=rt.sender,
                     message=message,
                     outcome="lease_expired",
                     delay=item.retry_in,

@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Integer, and_, bindparam, insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -22,8 +22,7 @@ from sqlalchemy.engine import Engine
 
 from outbox import outbox_attempt, outbox_message
 
-if TYPE_CHECKING:
-    from .store import Store
+from .clock import StatementClock
 
 __all__ = ["Completion", "batch_params", "history_insert", "write"]
 
@@ -62,7 +61,7 @@ def history_insert(engine: Engine) -> Any:
     return insert(a)
 
 
-def write(store: Store, results: Sequence[Completion]) -> None:
+def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequence[Completion]) -> None:
     """Write a batch of attempt outcomes: message rows updated, history appended, one transaction.
 
     A message row is only updated while this relay still holds its lease; if
@@ -71,10 +70,10 @@ def write(store: Store, results: Sequence[Completion]) -> None:
     """
     if not results:
         return
-    now = store.now()
+    now = clock.now()
     ours = and_(
         m.c.id == bindparam("mid"),
-        m.c.locked_by == store.relay_id,
+        m.c.locked_by == relay_id,
         m.c.status == "running",
         m.c.attempts == bindparam("att", type_=Integer()),
     )
@@ -84,14 +83,14 @@ def write(store: Store, results: Sequence[Completion]) -> None:
             "mid": r.message_id,
             "att": r.attempt,
             "err": r.error,
-            "later": store.bind_later(timedelta(seconds=r.retry_in)),
+            "later": clock.bind_later(timedelta(seconds=r.retry_in)),
             "refund": int(r.refund),
         }
         for r in results
         if r.status == "pending"
     ]
     dead = [{"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "dead"]
-    with store.engine.begin() as conn:
+    with engine.begin() as conn:
         if delivered:
             conn.execute(
                 update(m)
@@ -111,7 +110,7 @@ def write(store: Store, results: Sequence[Completion]) -> None:
                 .where(ours)
                 .values(
                     status="pending",
-                    available_at=store.later("later"),
+                    available_at=clock.later("later"),
                     last_error=bindparam("err"),
                     attempts=m.c.attempts - bindparam("refund", type_=Integer()),
                     locked_by=None,
@@ -134,7 +133,7 @@ def write(store: Store, results: Sequence[Completion]) -> None:
                 dead,
             )
         conn.execute(
-            history_insert(store.engine),
+            history_insert(engine),
             [
                 {
                     "message_id": r.message_id,
@@ -143,7 +142,7 @@ def write(store: Store, results: Sequence[Completion]) -> None:
                     "started_at": r.started_at,
                     "finished_at": r.finished_at,
                     "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
-                    "relay_id": store.relay_id,
+                    "relay_id": relay_id,
                     "error_type": r.error_type,
                     "error": r.error,
                     "detail": r.detail,

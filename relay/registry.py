@@ -11,8 +11,8 @@ failures (action ``registry_error``) and the write is simply tried again one
 period later. A database not migrated to ``outbox_0011`` costs a log line,
 not a relay.
 
-Times come from the same clock as the relay's store: the server's ``now()`` on
-PostgreSQL, this host's UTC clock on SQLite.
+Times come from the same clock as the relay's other statements (``clock``): the
+server's ``now()`` on PostgreSQL, this host's UTC clock on SQLite.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import math
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, insert, update
+from sqlalchemy import insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -33,8 +32,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox import Route, outbox_relay_registry
 
-from .runtime import Runtime, first_line, log
-from .store import utcnow
+from .clock import StatementClock
+from .run_context import RunContext, first_line, log
 
 __all__ = ["Registry", "handler_states"]
 
@@ -87,14 +86,11 @@ class _Statements:
         self.engine = engine
         self.relay_id = relay_id
         self.queues = list(queues or ())  # [] means every queue: a relay refuses an empty list
-        self.server_clock = engine.dialect.name == "postgresql"
-
-    def _now(self) -> ColumnElement[datetime] | datetime:
-        return func.now() if self.server_clock else utcnow()
+        self.clock = StatementClock(engine)
 
     def register(self, in_flight: int, handlers: dict[str, Any]) -> None:
         """Take the row over: a relay restarted with the same id is a new start, not a resumption."""
-        now = self._now()
+        now = self.clock.now()
         values = {
             "host": socket.gethostname()[:255],
             "pid": os.getpid(),
@@ -119,10 +115,10 @@ class _Statements:
 
     def refresh(self, in_flight: int, handlers: dict[str, Any]) -> bool:
         """False when the row is gone (deleted by hand): the caller registers again."""
-        return self._update({"seen_at": self._now(), "in_flight": in_flight, "handlers": handlers})
+        return self._update({"seen_at": self.clock.now(), "in_flight": in_flight, "handlers": handlers})
 
     def stop(self, handlers: dict[str, Any]) -> bool:
-        now = self._now()
+        now = self.clock.now()
         return self._update({"seen_at": now, "stopped_at": now, "in_flight": 0, "handlers": handlers})
 
     def _update(self, values: dict[str, Any]) -> bool:
@@ -136,7 +132,7 @@ class Registry:
 
     def __init__(
         self,
-        rt: Runtime,
+        rt: RunContext,
         *,
         engine: Engine,
         queues: Sequence[str] | None,

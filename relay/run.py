@@ -1,10 +1,12 @@
 """One serve or one drain of a relay: the parts that live for that run, and its loop.
 
-A :class:`~outbox.relay.worker.Relay` is reusable: it may serve, stop and
-serve again, or drain many times. Everything a run builds (the runtime, the
+A :class:`~outbox.relay.relay.Relay` is reusable: it may serve, stop and
+serve again, or drain many times. Everything a run builds (the run context, the
 claimer, the writer, the lease keeper, the shutdown sequence, the registry
-row, the background tasks) belongs to a :class:`RelayRun` and ends with it,
-so the Relay itself keeps only its settings and the way to stop it.
+row, the LISTEN connection, the background tasks) belongs to a
+:class:`RelayRun` and ends with it, so the Relay itself keeps only its settings
+and the way to stop it. A run reads those settings from the
+:class:`~outbox.relay.settings.RelaySettings` it is given, never from the Relay.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -24,13 +26,11 @@ from .db import Listener
 from .hooks import bind_handlers, shutdown_handlers, start_handlers
 from .leases import LeaseKeeper
 from .registry import Registry
-from .runtime import DrainResult, Runtime, backoff_delay, first_line, log, supervise
+from .run_context import DrainResult, RunContext, backoff_delay, first_line, log, supervise
+from .settings import RelaySettings
 from .shutdown import Shutdown
 from .startup import check_database
 from .writer import OutcomeWriter
-
-if TYPE_CHECKING:
-    from .worker import Relay
 
 __all__ = ["RelayRun"]
 
@@ -38,40 +38,39 @@ __all__ = ["RelayRun"]
 class RelayRun:
     """The collaborators of one run, wired together; ``serve()`` or ``drain()`` uses them once."""
 
-    def __init__(self, relay: Relay, *, on_close: Callable[[], None]) -> None:
-        self.relay = relay
+    def __init__(self, settings: RelaySettings, *, sender: object, on_close: Callable[[], None]) -> None:
+        self.settings = settings
+        # The Relay, only ever passed on as signals' relay=: typed object, so a run never reads the Relay.
+        self.sender = sender
         self._on_close = on_close  # the relay's own clean-up, after this run's parts are closed
-        self.rt = rt = Runtime(
-            relay,
-            outbox=relay.outbox,
-            store=relay.store,
-            routes=relay.routes,
-            redactor=relay.redactor,
-            rng=relay.rng,
-            metrics=relay.metrics,
-            poll_interval=relay.poll_interval,
-        )
+        self.rt = rt = RunContext(settings, sender=sender)
         self.writer = OutcomeWriter(rt)
         self.claimer = claimer = Claimer(
             rt,
             self.writer,
-            queues=relay.queues,
-            concurrency=relay.concurrency,
-            queue_concurrency=relay.queue_concurrency,
-            batch_size=relay.batch_size,
+            queues=settings.queues,
+            concurrency=settings.concurrency,
+            queue_concurrency=settings.queue_concurrency,
+            batch_size=settings.batch_size,
         )
         self.leases = LeaseKeeper(
-            rt, lease=relay.lease, held_ids=lambda: [*claimer.held_ids(), *self.writer.held_ids()]
+            rt, lease=settings.lease, held_ids=lambda: [*claimer.held_ids(), *self.writer.held_ids()]
         )
-        self.shutdown = Shutdown(rt, claimer, self.writer, grace_period=relay.grace_period)
+        self.shutdown = Shutdown(rt, claimer, self.writer, grace_period=settings.grace_period)
         self.registry = Registry(
             rt,
-            engine=relay.engine,
-            queues=relay.queues,
-            period=relay.registry_interval,
+            engine=settings.engine,
+            queues=settings.queues,
+            period=settings.registry_interval,
             in_flight=lambda: len(claimer.inflight),
         )
+        self.listener: Listener | None = None  # made when serving, if the relay listens
         self.background: list[asyncio.Task[Any]] = []
+
+    @property
+    def listening(self) -> bool:
+        """True from each ``relay_listening`` signal until the LISTEN connection is lost."""
+        return self.listener is not None and self.listener.connected.is_set()
 
     def woken_by_commit(self, queues: tuple[str, ...]) -> None:
         """A commit in this process named these queues: claim now, from them too."""
@@ -81,7 +80,7 @@ class RelayRun:
     # -- serve -----------------------------------------------------------------------------
 
     async def serve(self, *, install_signal_handlers: bool) -> None:
-        relay, rt = self.relay, self.rt
+        settings, rt = self.settings, self.rt
         started = False
         try:
             await self._start()
@@ -93,26 +92,26 @@ class RelayRun:
                 self._task("outbox-recoverer", self.leases.recoverer),
                 self._task("outbox-registry", self.registry.run),
             ]
-            if relay.listen:
-                relay.listener = Listener(
-                    relay.engine, on_notify=rt.wake.set, on_listening=self._now_listening
+            if settings.listen:
+                self.listener = Listener(
+                    settings.engine, on_notify=rt.wake.set, on_listening=self._now_listening
                 )
-                self.background.append(self._task("outbox-listen", relay.listener.run))
-            if relay.metrics is not None:
+                self.background.append(self._task("outbox-listen", self.listener.run))
+            if settings.metrics is not None:
                 # Ready means listening in the sense relay_listening announces (or not listening at all).
-                relay.metrics.watch_listener(lambda: not relay.listen or relay.listening)
-                relay.metrics.up.set(1)
+                settings.metrics.watch_listener(lambda: not settings.listen or self.listening)
+                settings.metrics.up.set(1)
                 self.background.append(self._task("outbox-metrics", self._refresh_metrics))
             log.info(
                 "relay %s started: routes=%s queues=%s concurrency=%d listen=%s",
-                relay.id,
+                settings.id,
                 ",".join(rt.handlers),
-                ",".join(relay.queues) if relay.queues else "*",
-                relay.concurrency,
-                relay.listen,
-                extra={"action": "start", "relay_id": relay.id},
+                ",".join(settings.queues) if settings.queues else "*",
+                settings.concurrency,
+                settings.listen,
+                extra={"action": "start", "relay_id": settings.id},
             )
-            send(signals.relay_started, relay.outbox, relay=relay)
+            send(signals.relay_started, settings.outbox, relay=self.sender)
             started = True
             await self._serve_loop()
             await self.shutdown.graceful(self.background)
@@ -121,35 +120,40 @@ class RelayRun:
             for task in self.background:
                 task.cancel()
             await asyncio.gather(*self.background, return_exceptions=True)
-            await shutdown_handlers(relay.routes.values(), relay.redactor)
-            if relay.metrics is not None:
-                relay.metrics.up.set(0)
+            await shutdown_handlers(settings.routes.values(), settings.redactor)
+            if settings.metrics is not None:
+                settings.metrics.up.set(0)
             if install_signal_handlers:
                 _remove_signals()
             await self._close()
             if started:  # also when serving failed: whoever saw it start must see it stop
-                log.info("relay %s stopped", relay.id, extra={"action": "stopped", "relay_id": relay.id})
-                send(signals.relay_stopped, relay.outbox, relay=relay)
+                log.info(
+                    "relay %s stopped", settings.id, extra={"action": "stopped", "relay_id": settings.id}
+                )
+                send(signals.relay_stopped, settings.outbox, relay=self.sender)
 
     async def _start(self) -> None:
         """The database check, then the handlers' ``outbox_start`` hooks (a ConfigurationError stops it)."""
-        relay = self.relay
-        await check_database(self.rt, relay.engine)
-        bind_handlers(relay.routes.values(), relay.engine)
+        settings = self.settings
+        await check_database(self.rt, settings.engine)
+        bind_handlers(settings.routes.values(), settings.engine)
         await start_handlers(
-            relay.routes.values(), relay.redactor, lease=relay.lease, poll_interval=relay.poll_interval
+            settings.routes.values(),
+            settings.redactor,
+            lease=settings.lease,
+            poll_interval=settings.poll_interval,
         )
 
     def _task(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         """A background task that is restarted, loudly, if it ever fails or ends."""
-        return asyncio.create_task(supervise(name, run, relay_id=self.relay.id), name=name)
+        return asyncio.create_task(supervise(name, run, relay_id=self.settings.id), name=name)
 
     def _now_listening(self) -> None:
         self.rt.wake.set()  # the catch-up claim: a NOTIFY sent while not listening was lost
-        send(signals.relay_listening, self.relay.outbox, relay=self.relay)
+        send(signals.relay_listening, self.settings.outbox, relay=self.sender)
 
     async def _serve_loop(self) -> None:
-        rt, metrics = self.rt, self.relay.metrics
+        rt, metrics = self.rt, self.settings.metrics
         failures = 0
         discover = True
         while not rt.stopping:
@@ -175,22 +179,22 @@ class RelayRun:
                 discover = False
                 continue
             discover = True
-            await rt.sleep(self.relay.poll_interval)
+            await rt.sleep(self.settings.poll_interval)
 
     async def _refresh_metrics(self) -> None:
-        relay = self.relay
-        assert relay.metrics is not None
+        settings = self.settings
+        assert settings.metrics is not None
         while True:
             try:
-                await self.rt.db(relay.metrics.refresh, relay.engine)
+                await self.rt.db(settings.metrics.refresh, settings.engine)
             except SQLAlchemyError as exc:
                 log.warning("metrics query failed (%s)", first_line(exc), extra={"action": "db_error"})
-            await asyncio.sleep(relay.metrics_interval)
+            await asyncio.sleep(settings.metrics_interval)
 
     # -- drain -------------------------------------------------------------------------------
 
     async def drain(self) -> DrainResult:
-        relay, rt, claimer, writer = self.relay, self.rt, self.claimer, self.writer
+        settings, rt, claimer, writer = self.settings, self.rt, self.claimer, self.writer
         try:
             await self._start()
             await self.leases.report_unknown_handlers()
@@ -224,7 +228,7 @@ class RelayRun:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await self.shutdown.end_of_drain()
-            await shutdown_handlers(relay.routes.values(), relay.redactor)
+            await shutdown_handlers(settings.routes.values(), settings.redactor)
             await self._close()
         return rt.result
 
@@ -235,7 +239,7 @@ class RelayRun:
         self._on_close()
 
 
-def _install_signals(rt: Runtime) -> None:
+def _install_signals(rt: RunContext) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, rt.request_stop, True)

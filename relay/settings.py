@@ -2,21 +2,38 @@
 
 The CLI parses the same settings from flags and environment variables; both
 end here, so a value refused by one is refused by the other with the same words.
+What a Relay checked is handed to each of its runs as one :class:`RelaySettings`,
+so a run reads its settings without ever reading (or importing) the Relay.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from outbox import ConfigurationError
+from sqlalchemy.engine import Engine
+
+from outbox import ConfigurationError, Outbox, Route
+from outbox._redact import Redactor
 from outbox._routes import check_name
 
-__all__ = ["DEFAULT_CONCURRENCY", "default_relay_id", "positive", "queue_caps", "queue_names"]
+from .metrics import RelayMetrics
+from .store import Store
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "RelaySettings",
+    "default_relay_id",
+    "positive",
+    "queue_caps",
+    "queue_names",
+]
 
 #: Deliveries in flight per relay by default. A relay is one event loop, so the figure does not
 #: grow with the machine's cores. Below about 100 a drain waits on round trips (10 in flight:
@@ -25,6 +42,36 @@ __all__ = ["DEFAULT_CONCURRENCY", "default_relay_id", "positive", "queue_caps", 
 #: handler's connection pool sets no lower limit of its own. A receiver that cannot take this
 #: many at once gets a per-queue cap (``queue_concurrency``).
 DEFAULT_CONCURRENCY = 200
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """Everything one serve or drain reads of its Relay, already checked; the Relay builds it once.
+
+    Frozen because every run of a relay starts from the same settings: a run
+    keeps what it makes for itself (its listener, its tasks) and never writes
+    back into the Relay. The engine, the store, the random source and the
+    metrics are shared objects, not copies: they outlive each run.
+    """
+
+    id: str
+    outbox: Outbox
+    engine: Engine
+    store: Store
+    routes: dict[str, Route]
+    redactor: Redactor
+    rng: random.Random
+    metrics: RelayMetrics | None
+    queues: tuple[str, ...] | None
+    concurrency: int
+    queue_concurrency: dict[str, int]
+    batch_size: int
+    poll_interval: float
+    lease: float
+    grace_period: float
+    listen: bool
+    metrics_interval: float
+    registry_interval: float
 
 
 def positive(what: str, value: object, *, integer: bool = False, zero: bool = False) -> Any:

@@ -20,14 +20,16 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from .claimer import Claimer
-from .runtime import Runtime, first_line, log
+from .run_context import RunContext, first_line, log
 from .writer import OutcomeWriter
 
 __all__ = ["Shutdown"]
 
 
 class Shutdown:
-    def __init__(self, rt: Runtime, claimer: Claimer, writer: OutcomeWriter, *, grace_period: float) -> None:
+    def __init__(
+        self, rt: RunContext, claimer: Claimer, writer: OutcomeWriter, *, grace_period: float
+    ) -> None:
         self._rt = rt
         self._claimer = claimer
         self._writer = writer

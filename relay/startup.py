@@ -14,7 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from outbox import OutboxError, outbox_message, outbox_pause
 from outbox._migrations import missing_outbox_table
 
-from .runtime import Runtime, first_line
+from .run_context import RunContext, first_line
 
 __all__ = ["DatabaseUnavailable", "check_database"]
 
@@ -23,7 +23,7 @@ class DatabaseUnavailable(OutboxError):
     """The relay could not reach its database, or the outbox tables are missing, at start-up."""
 
 
-async def check_database(rt: Runtime, engine: Engine) -> None:
+async def check_database(rt: RunContext, engine: Engine) -> None:
     """Raise DatabaseUnavailable unless the database answers and has the tables a claim reads."""
     try:
         await rt.db(_probe, engine)

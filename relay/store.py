@@ -1,17 +1,14 @@
 """Every query the relay runs, for PostgreSQL and SQLite; the outcome writes are in ``outcomes``.
 
-The statements are the same on both databases; only "now" differs. On
-PostgreSQL it is the server's clock (``now()``), the same clock the write side
-stamps ``available_at`` with, so app-server and relay-host clock skew cannot
-delay or hasten a delivery. SQLite has no server, so the relay's own UTC clock
-is used there.
+The statements are the same on both databases; only "now" differs (``clock``:
+the server's on PostgreSQL, the relay's own UTC clock on SQLite).
 
 On PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets any number of relays claim from
 one table without waiting on or double-claiming each other's rows. SQLite
 ignores row locks; it serialises writers, and one relay process at a time is
 the documented limit there.
 
-Methods are synchronous and short; the worker runs them in threads.
+Methods are synchronous and short; the relay runs them in threads.
 """
 
 from __future__ import annotations
@@ -19,22 +16,10 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any, Literal
 
-from sqlalchemy import (
-    ColumnElement,
-    Interval,
-    Row,
-    bindparam,
-    exists,
-    func,
-    literal,
-    or_,
-    select,
-    tuple_,
-    update,
-)
+from sqlalchemy import ColumnElement, Row, bindparam, exists, func, or_, select, tuple_, update
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
@@ -42,6 +27,7 @@ from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
 from . import outcomes
 from . import sql_postgresql as pg
 from .claim_position import FRONT, Position
+from .clock import StatementClock, utcnow
 from .db import LoopConnection
 from .outcomes import Completion
 
@@ -82,10 +68,6 @@ class Recovered:
     reason: str
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 def _in_claim_order(rows: list[Any]) -> list[Any]:
     """``UPDATE ... RETURNING`` answers in no set order; dispatch and the claim position want the claim's."""
     rows.sort(key=lambda r: (r.priority, r.id))
@@ -98,28 +80,11 @@ class Store:
         self.relay_id = relay_id
         self.lease = timedelta(seconds=lease)
         self.group_policy = group_policy
-        self.server_clock = engine.dialect.name == "postgresql"
+        self.clock = StatementClock(engine)
         # psycopg on PostgreSQL: the hot path runs hand-written SQL, one autocommit round trip each.
-        self.fast = self.server_clock and engine.dialect.driver == "psycopg"
+        self.fast = self.clock.server_clock and engine.dialect.driver == "psycopg"
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._claim_sql = pg.claim_sql(block_on_dead=group_policy == "block")
-
-    # -- clock ----------------------------------------------------------------
-
-    def now(self) -> ColumnElement[datetime]:
-        if self.server_clock:
-            return func.now()
-        return literal(utcnow(), type_=m.c.available_at.type)
-
-    def later(self, param: str) -> ColumnElement[datetime]:
-        """ "now" plus a per-row interval bound under ``param`` (a timedelta)."""
-        if self.server_clock:
-            return func.now() + bindparam(param, type_=Interval())
-        # SQLite: the caller binds the absolute time under the same name.
-        return bindparam(param, type_=m.c.available_at.type)
-
-    def bind_later(self, delay: timedelta) -> timedelta | datetime:
-        return delay if self.server_clock else utcnow() + delay
 
     # -- liveness ---------------------------------------------------------------
 
@@ -165,7 +130,7 @@ class Store:
             with self._autocommit.connect() as conn:
                 fast_rows = list(conn.exec_driver_sql(self._claim_sql, params))
             return _in_claim_order(fast_rows)
-        now = self.now()
+        now = self.clock.now()
         due = (
             select(m.c.id)
             .where(
@@ -187,14 +152,14 @@ class Store:
             .values(
                 status="running",
                 locked_by=self.relay_id,
-                locked_until=self.later("lease"),
+                locked_until=self.clock.later("lease"),
                 attempts=m.c.attempts + 1,
                 updated_at=now,
             )
             .returning(*_CLAIMED)
         )
         with self.engine.begin() as conn:
-            rows = list(conn.execute(claim, {"lease": self.bind_later(self.lease)}))
+            rows = list(conn.execute(claim, {"lease": self.clock.bind_later(self.lease)}))
         return _in_claim_order(rows)
 
     def _claim_params(
@@ -259,11 +224,11 @@ class Store:
         stmt = (
             update(m)
             .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
-            .values(locked_until=self.later("lease"))
+            .values(locked_until=self.clock.later("lease"))
             .returning(m.c.id)
         )
         with self.engine.begin() as conn:
-            return set(conn.execute(stmt, {"lease": self.bind_later(self.lease)}).scalars())
+            return set(conn.execute(stmt, {"lease": self.clock.bind_later(self.lease)}).scalars())
 
     def release(self, claims: Iterable[tuple[int, int]]) -> int:
         """Hand back claims whose attempt never started: not an attempt, so the count is restored.
@@ -289,7 +254,7 @@ class Store:
                 locked_by=None,
                 locked_until=None,
                 attempts=m.c.attempts - 1,
-                updated_at=self.now(),
+                updated_at=self.clock.now(),
             )
         )
         with self.engine.begin() as conn:
@@ -305,7 +270,7 @@ class Store:
         if that was its last attempt. Returns what was recovered, with the
         message's columns, so the relay can announce each retry or death.
         """
-        now = self.now()
+        now = self.clock.now()
         expired = (
             select(*_CLAIMED, m.c.locked_by, m.c.locked_until, m.c.updated_at)
             .where(m.c.status == "running", m.c.locked_until < now)
@@ -327,7 +292,7 @@ class Store:
                 status="pending",
                 locked_by=None,
                 locked_until=None,
-                available_at=self.later("later"),
+                available_at=self.clock.later("later"),
                 last_error=bindparam("err"),
                 updated_at=now,
             )
@@ -345,7 +310,7 @@ class Store:
                 if last:
                     taken = conn.execute(to_dead, params).rowcount
                 else:
-                    params["later"] = self.bind_later(timedelta(seconds=delay))
+                    params["later"] = self.clock.bind_later(timedelta(seconds=delay))
                     taken = conn.execute(to_retry, params).rowcount
                 if not taken:
                     continue
@@ -372,7 +337,7 @@ class Store:
 
     def complete(self, results: Sequence[Completion]) -> None:
         """Write a batch of attempt outcomes in one transaction (see :func:`outcomes.write`)."""
-        outcomes.write(self, results)
+        outcomes.write(self.engine, self.relay_id, self.clock, results)
 
     async def complete_on(self, conn: LoopConnection, results: Sequence[Completion]) -> None:
         """:meth:`complete` over the event loop's own connection (PostgreSQL with psycopg only)."""

@@ -28,7 +28,7 @@ from outbox import Message, signals
 from .announce import send
 from .db import LoopConnection
 from .outcomes import Completion
-from .runtime import Runtime, backoff_delay, first_line, log
+from .run_context import RunContext, backoff_delay, first_line, log
 
 __all__ = ["OutcomeWriter"]
 
@@ -40,7 +40,7 @@ LINGER = 0.005
 
 
 class OutcomeWriter:
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: RunContext) -> None:
         self._rt = rt
         self._buffer: list[Outcome] = []
         self._writing: list[Outcome] = []  # taken off the buffer, not yet known to be written
@@ -235,7 +235,7 @@ class OutcomeWriter:
                     duration * 1000,
                     extra={"action": "deliver", **self._fields(message, completion)},
                 )
-            send(signals.message_delivered, rt.outbox, relay=rt.relay, message=message, duration=duration)
+            send(signals.message_delivered, rt.outbox, relay=rt.sender, message=message, duration=duration)
             return
         extra = self._fields(message, completion)
         if completion.status == "pending":
@@ -253,7 +253,7 @@ class OutcomeWriter:
             send(
                 signals.retry_scheduled,
                 rt.outbox,
-                relay=rt.relay,
+                relay=rt.sender,
                 message=message,
                 outcome=completion.outcome,
                 delay=completion.retry_in,
@@ -272,7 +272,7 @@ class OutcomeWriter:
                 completion.error,
                 extra={"action": "dead", **extra},
             )
-            send(signals.message_dead, rt.outbox, relay=rt.relay, message=message, error=completion.error)
+            send(signals.message_dead, rt.outbox, relay=rt.sender, message=message, error=completion.error)
 
     def _fields(self, message: Message, completion: Completion) -> dict[str, Any]:
         """The structured fields of an outcome's log line."""

@@ -24,8 +24,8 @@ from outbox.relay.leases import LeaseKeeper
 m = outbox.outbox_message
 
 
-class Runtime:
-    """What LeaseKeeper uses of the relay's runtime: its store, its id, a way to run store calls."""
+class RunContext:
+    """What LeaseKeeper uses of the relay's run context: its store, its id, a way to run store calls."""
 
     def __init__(self, relay: Relay) -> None:
         self.store = relay.store
@@ -61,7 +61,7 @@ def test_only_leases_still_held_and_taken_by_another_relay_count_as_lost(engine,
         return [taken, running]  # the writer has let go of `finished`
 
     snapshots: list[list[int]] = []
-    keeper = LeaseKeeper(Runtime(relay), lease=30.0, held_ids=held)  # type: ignore[arg-type]
+    keeper = LeaseKeeper(RunContext(relay), lease=30.0, held_ids=held)  # type: ignore[arg-type]
     caplog.set_level(logging.WARNING, logger="outbox.relay")
     assert asyncio.run(keeper.renew_once()) == [taken]
     [warning] = [r for r in caplog.records if getattr(r, "action", None) == "lease_lost"]

@@ -798,7 +798,8 @@ def test_an_outcome_batch_written_twice_leaves_one_history_row_per_attempt(engin
 
     Both write paths: the store's (every database) and, on PostgreSQL, the relay's own connection.
     """
-    from outbox.relay.store import Completion, utcnow
+    from outbox.relay.clock import utcnow
+    from outbox.relay.store import Completion
 
     ob.route("e", lambda msg: None, name="r")
     relay = Relay(ob, engine, relay_id="writer")

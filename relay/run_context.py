@@ -1,6 +1,6 @@
 """What every part of one running relay shares: its settings, its wake-ups, its database threads.
 
-A :class:`Runtime` is made each time a relay starts serving or draining, and
+A :class:`RunContext` is made each time a relay starts serving or draining, and
 dropped when it stops. It holds no delivery state of its own: the claimer, the
 outcome writer and the lease keeper each own theirs, and reach each other only
 through the methods they offer. What is here is what they all need: the store,
@@ -12,26 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from outbox import Backoff, Outbox, Route
+from outbox import Backoff
 from outbox._first_line import first_line
-from outbox._redact import Redactor
 
 from .dispatch import is_async_handler
-from .metrics import RelayMetrics
-from .store import Store
+from .settings import RelaySettings
 from .tracing import RelayTracing
 
-if TYPE_CHECKING:
-    from .worker import Relay
-
-__all__ = ["DrainResult", "Runtime", "backoff_delay", "first_line", "log", "supervise"]
+__all__ = ["DrainResult", "RunContext", "backoff_delay", "first_line", "log", "supervise"]
 
 log = logging.getLogger("outbox.relay")
 
@@ -93,35 +87,25 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, relay_id: 
         await asyncio.sleep(delay)
 
 
-class Runtime:
+class RunContext:
     """The shared context of one serve or drain; made on the event loop that runs it."""
 
-    def __init__(
-        self,
-        relay: Relay,
-        *,
-        outbox: Outbox,
-        store: Store,
-        routes: dict[str, Route],
-        redactor: Redactor,
-        rng: random.Random,
-        metrics: RelayMetrics | None,
-        poll_interval: float,
-    ) -> None:
-        self.relay = relay
-        self.id = relay.id
-        self.outbox = outbox
-        self.store = store
-        self.routes = routes
+    def __init__(self, settings: RelaySettings, *, sender: object) -> None:
+        # The Relay, only ever passed on as signals' relay=: typed object, so no part of a run reads it.
+        self.sender = sender
+        self.id = settings.id
+        self.outbox = outbox = settings.outbox
+        self.store = settings.store
+        self.routes = routes = settings.routes
         self.handlers = sorted(routes)
         self.backoffs: dict[str, Backoff] = {r.name: r.backoff for r in routes.values()}
         #: Routes whose handler is awaited on the loop (the others run in threads); asked once per
         #: run, not per delivery, where inspecting the handler was 3 % of a no-op delivery's CPU.
         self.async_routes = frozenset(r.name for r in routes.values() if is_async_handler(r.handler))
-        self.redactor = redactor
-        self.rng = rng
-        self.metrics = metrics
-        self.poll_interval = poll_interval
+        self.redactor = settings.redactor
+        self.rng = settings.rng
+        self.metrics = settings.metrics
+        self.poll_interval = settings.poll_interval
         self.tracing = RelayTracing(outbox, routes)
         self.loop = asyncio.get_running_loop()
         self.wake = asyncio.Event()

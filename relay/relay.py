@@ -14,11 +14,12 @@ Each long-running job has an owner of its own, with its own state:
 - :class:`~outbox.relay.registry.Registry` (``registry.py``): this relay's row
   in ``outbox_relay_registry``, for operators and dashboards.
 
-They share a :class:`~outbox.relay.runtime.Runtime` (settings, wake-up events,
-the database threads). A :class:`~outbox.relay.run.RelayRun` (``run.py``) makes
-them afresh each time the relay serves or drains, and runs the serve loop or
-the drain; this module holds the relay's settings and the ways to start and
-stop it.
+They share a :class:`~outbox.relay.run_context.RunContext` (``run_context.py``:
+settings, wake-up events, the database threads). A
+:class:`~outbox.relay.run.RelayRun` (``run.py``) makes them afresh each time the
+relay serves or drains, and runs the serve loop or the drain. This module checks
+the relay's settings once, into the :class:`~outbox.relay.settings.RelaySettings`
+(``settings.py``) every run is made from, and holds the ways to start and stop it.
 
 One asyncio loop owns all state. Database calls are short synchronous
 SQLAlchemy statements (``store``) run on a small thread pool; handlers run on
@@ -40,7 +41,7 @@ from sqlalchemy.engine import URL, Engine
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import ConfigurationError, Outbox, signals
+from outbox import ConfigurationError, Outbox, Route, signals
 from outbox._redact import Redactor
 from outbox._routes import check_name
 from outbox.ops._relays import REGISTRY_PERIOD
@@ -49,12 +50,12 @@ from .db import Listener, make_engine, supports_listen
 from .dispatch import secrets_of
 from .metrics import RelayMetrics
 from .run import RelayRun
-from .runtime import DrainResult
-from .settings import DEFAULT_CONCURRENCY, default_relay_id, positive, queue_caps, queue_names
+from .run_context import DrainResult
+from .settings import DEFAULT_CONCURRENCY, RelaySettings, default_relay_id, positive, queue_caps, queue_names
 from .startup import DatabaseUnavailable
 from .store import GroupPolicy, Store
 
-# DatabaseUnavailable and DEFAULT_CONCURRENCY are imported from here by earlier code.
+# DatabaseUnavailable and DEFAULT_CONCURRENCY: earlier code imported them from the module that owns Relay.
 __all__ = ["DEFAULT_CONCURRENCY", "DatabaseUnavailable", "DrainResult", "Relay"]
 
 
@@ -94,35 +95,52 @@ class Relay:
             raise ConfigurationError(f"Relay needs an outbox.Outbox, got {outbox!r}")
         if not outbox.routes:
             raise ConfigurationError("the Outbox has no routes: a relay would have nothing to deliver")
-        self.outbox = outbox
-        self.concurrency: int = positive("concurrency", concurrency, integer=True)
-        self.batch_size: int = positive(
+        concurrency = positive("concurrency", concurrency, integer=True)
+        batch_size = positive(
             "batch_size", batch_size if batch_size is not None else concurrency, integer=True
         )
-        self.poll_interval: float = positive("poll_interval", poll_interval)
-        self.lease: float = positive("lease", lease)
-        self.grace_period: float = positive("grace_period", grace_period, zero=True)
+        poll_interval = positive("poll_interval", poll_interval)
+        lease = positive("lease", lease)
+        grace_period = positive("grace_period", grace_period, zero=True)
         if group_policy not in ("block", "skip"):
             raise ConfigurationError(f"group_policy must be 'block' or 'skip', got {group_policy!r}")
-        self.queues = queue_names(queues)
-        self.queue_concurrency = queue_caps(queue_concurrency)
-        self.id = check_name("relay_id", relay_id) if relay_id is not None else default_relay_id()
-        self.engine = make_engine(database)
-        self._owns_engine = self.engine is not database
-        self.listen = listen and supports_listen(self.engine)
-        self.store = Store(self.engine, self.id, lease=self.lease, group_policy=group_policy)
-        self.routes = {r.name: r for r in outbox.routes}
-        self.redactor = Redactor(secrets_of(r.handler for r in outbox.routes))
-        self.rng = random.Random(seed)
+        queues = queue_names(queues)
+        queue_concurrency = queue_caps(queue_concurrency)
+        relay_id = check_name("relay_id", relay_id) if relay_id is not None else default_relay_id()
+        engine = make_engine(database)
+        self._owns_engine = engine is not database
+        listen = listen and supports_listen(engine)
+        store = Store(engine, relay_id, lease=lease, group_policy=group_policy)
+        routes = {r.name: r for r in outbox.routes}
+        redactor = Redactor(secrets_of(r.handler for r in outbox.routes))
+        rng = random.Random(seed)
+        metrics_interval = positive("metrics_interval", metrics_interval)
+        # Readers (outbox.ops.relays) call a relay dead after three periods without a write.
+        registry_interval = positive("registry_interval", registry_interval)
+        self.settings = RelaySettings(
+            id=relay_id,
+            outbox=outbox,
+            engine=engine,
+            store=store,
+            routes=routes,
+            redactor=redactor,
+            rng=rng,
+            metrics=metrics,
+            queues=queues,
+            concurrency=concurrency,
+            queue_concurrency=queue_concurrency,
+            batch_size=batch_size,
+            poll_interval=poll_interval,
+            lease=lease,
+            grace_period=grace_period,
+            listen=listen,
+            metrics_interval=metrics_interval,
+            registry_interval=registry_interval,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._run: RelayRun | None = None
         self._stop_lock = threading.Lock()
         self._early_stop: bool | None = None  # a stop() that came before the loop ran
-        self.listener: Listener | None = None
-        self.metrics = metrics
-        self.metrics_interval: float = positive("metrics_interval", metrics_interval)
-        # Readers (outbox.ops.relays) call a relay dead after three periods without a write.
-        self.registry_interval: float = positive("registry_interval", registry_interval)
         if metrics is not None:
             for route in outbox.routes:
                 states = getattr(route.handler, "outbox_breaker_states", None)
@@ -131,6 +149,49 @@ class Relay:
 
     def __repr__(self) -> str:
         return f"<Relay {self.id} routes={len(self.routes)}>"
+
+    # -- read by applications and tests ----------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return self.settings.id
+
+    @property
+    def outbox(self) -> Outbox:
+        return self.settings.outbox
+
+    @property
+    def engine(self) -> Engine:
+        return self.settings.engine
+
+    @property
+    def store(self) -> Store:
+        return self.settings.store
+
+    @property
+    def routes(self) -> dict[str, Route]:
+        return self.settings.routes
+
+    @property
+    def metrics(self) -> RelayMetrics | None:
+        return self.settings.metrics
+
+    @property
+    def listen(self) -> bool:
+        """Whether runs LISTEN: asked for, and possible on this engine (PostgreSQL with psycopg 3)."""
+        return self.settings.listen
+
+    @property
+    def listener(self) -> Listener | None:
+        """The LISTEN connection of the current run, or of the last one; a run owns its listener."""
+        run = self._run
+        return run.listener if run is not None else None
+
+    @property
+    def listening(self) -> bool:
+        """True from each ``relay_listening`` signal until the LISTEN connection is lost."""
+        run = self._run
+        return run is not None and run.listening
 
     # -- public entry points ------------------------------------------------------
 
@@ -164,7 +225,7 @@ class Relay:
 
     def _open(self) -> RelayRun:
         """Make this run's parts; the relay object itself is reusable."""
-        run = RelayRun(self, on_close=self._closed)
+        run = RelayRun(self.settings, sender=self, on_close=self._closed)
         self._run = run
         with self._stop_lock:
             self._loop = run.rt.loop
@@ -175,14 +236,9 @@ class Relay:
 
     def _closed(self) -> None:
         if self._owns_engine:
-            self.engine.dispose()
+            self.settings.engine.dispose()
         with self._stop_lock:
             self._loop = None
-
-    @property
-    def listening(self) -> bool:
-        """True from each ``relay_listening`` signal until the LISTEN connection is lost."""
-        return self.listener is not None and self.listener.connected.is_set()
 
     def _request_stop(self, graceful: bool) -> None:
         if self._run is not None:
