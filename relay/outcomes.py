@@ -48,16 +48,20 @@ class Completion:
     refund: bool = False
 
 
+_WRITTEN_ONCE = [a.c.message_id, a.c.attempt, a.c.outcome, a.c.started_at]
+
+
 def history_insert(engine: Engine) -> Any:
     """History rows, each written once: a batch sent again after a lost reply appends nothing.
 
     The unique index ``ux_outbox_attempt_once`` (message, attempt, outcome and the
-    relay's own start stamp) is what a re-sent row collides with.
+    relay's own start stamp) is what a re-sent row collides with, and the only clash
+    ignored: any other (an id taken ahead of the sequence) fails the write, loudly.
     """
     if engine.dialect.name == "postgresql":
-        return pg_insert(a).on_conflict_do_nothing()
+        return pg_insert(a).on_conflict_do_nothing(index_elements=_WRITTEN_ONCE)
     if engine.dialect.name == "sqlite":
-        return sqlite_insert(a).on_conflict_do_nothing()
+        return sqlite_insert(a).on_conflict_do_nothing(index_elements=_WRITTEN_ONCE)
     return insert(a)
 
 

@@ -8,10 +8,11 @@ document (``jsonb_to_recordset``): encoding it is one C call, where a dozen
 typed arrays cost psycopg a Python loop per element, three times the write's
 own time.
 
-History rows are inserted ``ON CONFLICT DO NOTHING``: a batch whose COMMIT
-went through but whose reply was lost is sent again, and the unique index on
-``(message_id, attempt, outcome, started_at)`` keeps its rows from being
-appended twice (its message updates no longer match, so they do nothing).
+History rows are inserted ``ON CONFLICT (message_id, attempt, outcome, started_at) DO
+NOTHING``: a batch whose COMMIT went through but whose reply was lost is sent again, and
+that unique index keeps its rows from being appended twice (its message updates no longer
+match, so they do nothing). The conflict is named: any other clash, such as an id taken
+ahead of the sequence, fails the write loudly instead of dropping an attempt's row.
 
 An outcome applies only to the claim that produced it (same relay, same
 attempt number): a late outcome of an attempt whose lease was recovered must
@@ -121,7 +122,7 @@ INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at, finished_a
 SELECT o.id, o.attempt, o.outcome, o.started, o.finished, o.duration_ms, %(me)s,
        o.error_type, o.error, o.detail
   FROM outcome o
-    ON CONFLICT DO NOTHING
+    ON CONFLICT (message_id, attempt, outcome, started_at) DO NOTHING
 """
 
 #: Distinct queues with pending rows: a loose index scan (one probe per queue) of the claim index.

@@ -28,7 +28,8 @@ from test_ops_cli import assert_one_line_error, run
 from test_roles import refused
 
 import outbox
-from outbox import Outbox, emit, ops
+from outbox import Backoff, Message, Outbox, PermanentError, emit, ops
+from outbox.relay import Relay
 
 m, a, runs = outbox.outbox_message, outbox.outbox_attempt, outbox.outbox_retention_run
 
@@ -228,6 +229,69 @@ def test_the_operator_changes_history_only_through_the_purge_functions(roles, pg
             )
         )
         assert conn.execute(text("SELECT count(*) FROM outbox_attempt")).scalar_one() == 2
+
+
+def test_planted_history_ids_cannot_swallow_real_attempts(roles, pg_engine):
+    """Ids ahead of the sequence, taken by a relay or operator login, once made the relay's history
+    INSERT skip real attempts (a clash ignored like a re-sent row) and the operator's requeue fail."""
+    planted = "INSERT INTO outbox_attempt (id, message_id, attempt, outcome, started_at)"
+    for role in ("outbox_relay", "outbox_operator"):
+        engine = roles.engine(role)
+        refused(engine, f"{planted} SELECT g, 1, 1, 'retry', now() FROM generate_series(1, 1000) g")
+        refused(
+            engine, f"{planted} OVERRIDING SYSTEM VALUE VALUES (9223372036854775807, 1, 1, 'retry', now())"
+        )
+    ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+    ob.route("audit.good", lambda msg: None, name="good")
+
+    def refuse(msg: Message) -> None:
+        raise PermanentError("refused")
+
+    ob.route("audit.bad", refuse, name="bad")
+    app = roles.engine("outbox_app")
+    maker = sessionmaker(app)
+    ob.install(maker)
+    try:
+        with maker.begin() as s:
+            for n in range(3):
+                emit(s, "audit.good", {"n": n})
+                emit(s, "audit.bad", {"n": n})
+    finally:
+        ob.uninstall(maker)
+    Relay(ob, roles.engine("outbox_relay"), listen=False).run_until_idle()
+    with pg_engine.connect() as conn:
+        recorded = conn.execute(select(a.c.outcome, func.count()).group_by(a.c.outcome)).all()
+    assert dict(recorded) == {"delivered": 3, "dead": 3}
+    operator = roles.engine("outbox_operator")
+    dead = [row.id for row in ops.list_messages(operator, ops.MessageFilter(status="dead"))]
+    assert len(ops.requeue(operator, ops.MessageFilter(ids=dead), actor="ops", reason="fixed")) == 3
+
+
+def test_the_application_cannot_bury_a_dead_message_under_a_fake_copy(roles, pg_engine):
+    """The application inserts only what emit() writes: no status, attempts, lock, lineage or id."""
+    (dead_id,) = emit_messages(pg_engine, 1)
+    with pg_engine.begin() as conn:
+        conn.execute(update(m).where(m.c.id == dead_id).values(status="dead", last_error="gone"))
+    columns = (
+        "event_id, event_type, handler, queue, priority, payload, headers, max_attempts,"
+        " available_at, created_at, updated_at"
+    )
+    values = "gen_random_uuid(), 'audit.test', 'audited', 'default', 0, '{}', '{}', 3, now(), now(), now()"
+    app = roles.engine("outbox_app")
+    for extra, value in (
+        ("status", "'delivered'"),
+        ("requeued_from", str(dead_id)),
+        ("attempts", "3"),
+        ("locked_by", "'relay-x'"),
+        ("delivered_at", "now()"),
+        ("id", "9223372036854775807"),
+    ):
+        refused(app, f"INSERT INTO outbox_message ({columns}, {extra}) VALUES ({values}, {value})")
+    with app.begin() as conn:  # what emit() writes still goes in, as a pending message
+        conn.execute(text(f"INSERT INTO outbox_message ({columns}) VALUES ({values})"))
+    operator = roles.engine("outbox_operator")
+    assert ops.stats(operator).dead == 1
+    assert [row.id for row in ops.list_messages(operator, ops.MessageFilter(status="dead"))] == [dead_id]
 
 
 def test_the_app_and_the_relay_cannot_run_a_purge_nor_write_its_record(roles):
