@@ -784,13 +784,15 @@ def test_rate_limit_is_shared_by_concurrent_deliveries(receiver):
 
 
 def test_a_long_rate_wait_is_rescheduled_without_using_an_attempt(receiver):
-    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, rate_limit=1, timeout=0.2)
+    # One request per 5 s, and a wait longer than the 2 s timeout is deferred: the first request has
+    # 2 s to be answered on a loaded host, and the second still finds more than 2 s to wait.
+    handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL, rate_limit=0.2, timeout=2.0)
     call(handler, message({"n": 1}))
     with pytest.raises(RetryLater) as raised:
         call(handler, message({"n": 2}))
     assert not raised.value.counts_as_attempt
     assert raised.value.detail is not None and raised.value.detail["rate_limit"] == "deferred"
-    assert 0.5 < (raised.value.delay or 0) <= 1.0
+    assert 2.0 < (raised.value.delay or 0) <= 5.0
     assert len(receiver.requests) == 1
 
 
