@@ -218,17 +218,40 @@ def test_the_operator_changes_history_only_through_the_purge_functions(roles, pg
         "DELETE FROM outbox_retention_run",
     ):
         refused(operator, statement)
-    # What it may do: read, append (requeue and discard record their actions), and update messages,
-    # which discard needs and which plain SQL can use without a history row.
+    # Nor, since outbox_0014, append a history row or change a message with plain SQL: its actions
+    # go through functions that write their own history rows.
+    refused(operator, "UPDATE outbox_message SET status = status")
+    refused(
+        operator,
+        "INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at) VALUES (1, 1, 'retry', now())",
+    )
     with operator.begin() as conn:
-        assert conn.execute(text("UPDATE outbox_message SET status = status")).rowcount == 0
-        conn.execute(
-            text(
-                "INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at)"
-                " VALUES (1, 1, 'retry', now())"
-            )
-        )
-        assert conn.execute(text("SELECT count(*) FROM outbox_attempt")).scalar_one() == 2
+        assert conn.execute(text("SELECT count(*) FROM outbox_attempt")).scalar_one() == 1
+
+
+def test_an_operator_hosts_clock_stamps_none_of_its_actions(roles, pg_engine, monkeypatch):
+    """A host an hour fast once scheduled a requeued copy an hour late and stamped history with its
+    own time; the action functions stamp both with the database's clock."""
+    import outbox.ops._actions as actions
+    import outbox.ops._pause as pauses
+
+    fast = datetime.now(UTC) + timedelta(hours=1)
+    monkeypatch.setattr(actions, "_now", lambda: fast)
+    monkeypatch.setattr(pauses, "_now", lambda: fast)
+    (dead_id,) = emit_messages(pg_engine, 1)
+    with pg_engine.begin() as conn:
+        conn.execute(update(m).where(m.c.id == dead_id).values(status="dead"))
+    operator = roles.engine("outbox_operator")
+    ((_, copy_id),) = ops.requeue(operator, ops.MessageFilter(ids=[dead_id]), reason="fixed", actor="ops")
+    ops.pause(operator, queue="default", reason="maintenance", actor="ops")
+    with pg_engine.connect() as conn:
+        database_now = conn.execute(select(func.now())).scalar_one()
+        copy = conn.execute(select(m).where(m.c.id == copy_id)).one()
+        (requeued,) = conn.execute(select(a).where(a.c.message_id == dead_id)).all()
+        (paused_at,) = conn.execute(text("SELECT at FROM outbox_pause_log")).scalars()
+    for stamp in (copy.available_at, copy.created_at, requeued.started_at, paused_at):
+        assert stamp <= database_now < fast - timedelta(minutes=50)
+    assert requeued.detail["db_user"] == roles.names["outbox_operator"]
 
 
 def test_planted_history_ids_cannot_swallow_real_attempts(roles, pg_engine):

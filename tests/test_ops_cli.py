@@ -235,6 +235,11 @@ def fingerprint(engine: Engine, message_id: int) -> tuple[Any, ...]:
         return (*raw, *stored)
 
 
+def login_of(engine: Engine) -> dict[str, str]:
+    """What an operator's history row names besides the actor: on PostgreSQL, the login that acted."""
+    return {"db_user": str(engine.url.username)} if engine.dialect.name == "postgresql" else {}
+
+
 def history_of(engine: Engine, message_id: int) -> list[Any]:
     with engine.connect() as conn:
         return list(conn.execute(select(a).where(a.c.message_id == message_id).order_by(a.c.id)))
@@ -413,7 +418,7 @@ def test_requeue_makes_a_new_message_and_leaves_the_old_row_untouched(seeded):
     assert [tuple(h) for h in history[:-1]] == before_history, "earlier history is untouched"
     requeued = history[-1]
     assert (requeued.outcome, requeued.actor, requeued.reason) == ("requeued", "alice", "billing API fixed")
-    assert requeued.detail == {"new_id": new, "previous_status": "dead"}
+    assert requeued.detail == {"new_id": new, "previous_status": "dead", **login_of(engine)}
     assert history_of(engine, new) == []
 
     shown = ok_json(run("show", str(old), "--json", database_url=seeded.url))
@@ -525,7 +530,7 @@ def test_discard_records_who_and_why_and_refuses_finished_messages(seeded):
     for message_id, previous in ((pending, "pending"), (dead, "dead")):
         last = history_of(engine, message_id)[-1]
         assert (last.outcome, last.actor, last.reason) == ("discarded", "bob", "customer cancelled")
-        assert last.detail == {"previous_status": previous}
+        assert last.detail == {"previous_status": previous, **login_of(engine)}
 
     before = snapshot(engine)
     refused = run("discard", str(delivered), str(running), "--reason", "oops", database_url=seeded.url)

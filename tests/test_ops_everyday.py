@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy import insert, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
-from test_ops_cli import assert_one_line_error, history_of, ok, ok_json, outbox_cmd, run, snapshot
+from test_ops_cli import assert_one_line_error, history_of, login_of, ok, ok_json, outbox_cmd, run, snapshot
 
 import outbox
 from outbox import Backoff, Outbox, emit, ops
@@ -132,6 +132,7 @@ def test_retry_now_makes_waiting_retries_due_and_records_who_and_why(billing):
         assert last.detail == {
             "previous_status": "pending",
             "was_due_at": before[message_id].available_at.isoformat(),
+            **login_of(engine),
         }
     assert billing.row(ids["order:3"]).available_at > datetime.now(UTC) + timedelta(minutes=59)
 

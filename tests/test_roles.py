@@ -307,8 +307,20 @@ def test_the_operator_pauses_and_resumes_and_the_relay_honours_it(roles, pg_engi
         "DELETE FROM outbox_pause_log",
         "TRUNCATE outbox_pause_log",
         "UPDATE outbox_pause SET actor = 'someone else'",
+        # A pause or resume with no log row, or a log row with any time and actor: only the
+        # functions write either, stamped by the database's clock.
+        "INSERT INTO outbox_pause (kind, name, reason, actor, paused_at)"
+        " VALUES ('queue', 'q', 'r', 'a', now())",
+        "DELETE FROM outbox_pause",
+        "INSERT INTO outbox_pause_log (event, kind, name, at, actor, reason)"
+        " VALUES ('resumed', 'queue', 'billing', now() - interval '1 year', 'someone else', 'r')",
     ):
         refused(operator, statement)
+    with pg_engine.connect() as conn:
+        logged = conn.execute(
+            text("SELECT event, actor, at <= now() FROM outbox_pause_log ORDER BY id")
+        ).all()
+    assert [tuple(row) for row in logged] == [("paused", "alice", True), ("resumed", "alice", True)]
     for statement in (
         "INSERT INTO outbox_pause (kind, name, reason, actor, paused_at)"
         " VALUES ('queue', 'q', 'r', 'a', now())",

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, literal, select, text, update
+from sqlalchemy import func, insert, literal, select, update
 from sqlalchemy.engine import Connection, Engine, Row
 
 from ._base import (
@@ -23,7 +23,8 @@ from ._base import (
     a,
     m,
 )
-from ._filters import MessageFilter, _filtered_batches, _lock_all, _named, _tried, _waiting
+from ._filters import MessageFilter, _all_or_none, _filtered_batches, _named, _tried, _waiting
+from ._in_database import call
 
 
 def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
@@ -134,13 +135,31 @@ def requeue(
             if copied:
                 listed = ", ".join(f"{old} (as {new})" for old, new in sorted(copied.items()))
                 raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
-            pairs = [(old.id, _copy(conn, old, actor, reason, now)) for old in targets]
-        return pairs
+            return _requeue_rows(conn, targets, actor, reason, now, strict=True)
     for conn, batch in _filtered_batches(engine, where, REQUEUABLE, "requeue", [m], batch_size, ~_has_copy()):
         # Read again under the lock: a concurrent requeue may have committed a copy since the query began.
         copied = _requeued_as(conn, [r.id for r in batch])
-        pairs += [(old.id, _copy(conn, old, actor, reason, now)) for old in batch if old.id not in copied]
+        fresh = [old for old in batch if old.id not in copied]
+        pairs += _requeue_rows(conn, fresh, actor, reason, now, strict=False)
     return pairs
+
+
+def _requeue_rows(
+    conn: Connection, rows: Sequence[Row[Any]], actor: str, reason: str, now: datetime, *, strict: bool
+) -> list[tuple[int, int]]:
+    """Copy each of ``rows``; ``strict``: all of them or none (the database re-checks each under a lock)."""
+    if conn.dialect.name != "postgresql":
+        return [(old.id, _copy(conn, old, actor, reason, now)) for old in rows]
+    found = call(
+        conn,
+        "SELECT old_id, new_id FROM outbox_requeue(:ids, :keys, :actor, :reason, :strict)",
+        ids=[r.id for r in rows],
+        keys=[requeued_key(r.idempotency_key, r.id) for r in rows],
+        actor=actor,
+        reason=reason,
+        strict=strict,
+    )
+    return [(r.old_id, r.new_id) for r in found]
 
 
 def _discard_one(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> bool:
@@ -169,23 +188,54 @@ def discard(
     columns = [m.c.id, m.c.status, m.c.attempts]
     if where.ids:
         with engine.begin() as conn:
-            return [
-                r.id
-                for r in _named(conn, where, DISCARDABLE, "discard", columns)
-                if _discard_one(conn, r, actor, reason, now)
-            ]
+            named = _named(conn, where, DISCARDABLE, "discard", columns)
+            return _discard_rows(conn, named, actor, reason, now, strict=True)
     done: list[int] = []
     for conn, batch in _filtered_batches(engine, where, DISCARDABLE, "discard", columns, batch_size):
-        done += [r.id for r in batch if _discard_one(conn, r, actor, reason, now)]
+        done += _discard_rows(conn, batch, actor, reason, now, strict=False)
     return done
 
 
+def _discard_rows(
+    conn: Connection, rows: Sequence[Row[Any]], actor: str, reason: str, now: datetime, *, strict: bool
+) -> list[int]:
+    if conn.dialect.name != "postgresql":
+        return [r.id for r in rows if _discard_one(conn, r, actor, reason, now)]
+    found = call(
+        conn,
+        "SELECT outbox_discard(:ids, :actor, :reason, :strict)",
+        ids=[r.id for r in rows],
+        actor=actor,
+        reason=reason,
+        strict=strict,
+    )
+    return [r[0] for r in found]
+
+
 def _make_due(
-    conn: Connection, rows: Sequence[Row[Any]], actor: str, reason: str, now: datetime
+    conn: Connection,
+    rows: Sequence[Row[Any]],
+    actor: str,
+    reason: str,
+    now: datetime,
+    *,
+    include_delayed: bool,
+    strict: bool,
 ) -> list[int]:
     """Make those of ``rows`` still waiting due at ``now``, each with a history row; returns their ids."""
     if not rows:
         return []
+    if conn.dialect.name == "postgresql":
+        found = call(
+            conn,
+            "SELECT outbox_retry_now(:ids, :actor, :reason, :include_delayed, :strict)",
+            ids=[r.id for r in rows],
+            actor=actor,
+            reason=reason,
+            include_delayed=include_delayed,
+            strict=strict,
+        )
+        return sorted(r[0] for r in found)
     due = set(
         conn.execute(
             update(m)
@@ -202,9 +252,6 @@ def _make_due(
         if row.id in due:
             due_at = row.available_at.isoformat()
             _record_action(conn, row, "retried_now", actor, reason, now, was_due_at=due_at)
-    if due and conn.dialect.name == "postgresql":
-        # An UPDATE does not fire the NOTIFY trigger (it is on INSERT): wake the relays ourselves.
-        conn.execute(text("SELECT pg_notify('outbox', current_schema())"))
     return sorted(due)
 
 
@@ -244,7 +291,7 @@ def retry_now(
     if where.ids:
         with engine.begin() as conn:
             targets = _named_waiting(conn, where, now, include_delayed, columns)
-            done = _make_due(conn, targets, actor, reason, now)
+            done = _make_due(conn, targets, actor, reason, now, include_delayed=include_delayed, strict=True)
             if len(done) != len(targets):  # SQLite takes no row locks: a relay may have claimed one since
                 changed = sorted({r.id for r in targets} - set(done))
                 raise OpsError(f"message {', '.join(map(str, changed))} changed meanwhile; try again")
@@ -252,16 +299,16 @@ def retry_now(
     acted: list[int] = []
     batches = _filtered_batches(engine, where, ("pending",), "retry-now", columns, batch_size, *waiting)
     for conn, batch in batches:
-        acted += _make_due(conn, batch, actor, reason, now)
+        acted += _make_due(conn, batch, actor, reason, now, include_delayed=include_delayed, strict=False)
     return acted
 
 
 def _named_waiting(
     conn: Connection, where: MessageFilter, now: datetime, include_delayed: bool, columns: Sequence[Any]
 ) -> list[Row[Any]]:
-    """The rows of named ids, locked; each must be waiting (see :func:`retry_now`), or none is acted on.
+    """The rows of named ids; each must be waiting (see :func:`retry_now`), or none is acted on.
 
-    As in :func:`_named`, statuses are read without a lock and only waiting rows are locked.
+    As in :func:`_named`, nothing is locked here: what acts on the rows locks and checks them again.
     """
     state = select(m.c.id, m.c.status, m.c.available_at, _tried().label("tried"))
     found = {r.id: r for r in conn.execute(where.apply(state))}
@@ -283,4 +330,4 @@ def _named_waiting(
             f"can only retry-now pending messages waiting to be retried; not {', '.join(wrong)}{hint}"
         )
     stmt = where.apply(select(*columns)).where(*_waiting(now, include_delayed))
-    return _lock_all(conn, stmt, found, "changed meanwhile")
+    return _all_or_none(conn, stmt, found, "changed meanwhile")

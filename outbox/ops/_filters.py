@@ -1,4 +1,10 @@
-"""Which messages an operation reads or acts on: ``MessageFilter``, candidates, locked batches."""
+"""Which messages an operation reads or acts on: ``MessageFilter``, candidates, batches.
+
+Nothing here locks: the operator's role holds no UPDATE on ``outbox_message``
+(which every row lock needs). Whatever acts on a row locks it and checks its
+state again first: the database functions of ``outbox_0014`` on PostgreSQL,
+SQLite's single writer there.
+"""
 
 from __future__ import annotations
 
@@ -97,11 +103,11 @@ class MessageFilter:
 def _named(
     conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str, columns: Sequence[Any]
 ) -> list[Row[Any]]:
-    """The rows of named ids, locked; every id must exist and have an allowed status, or none is acted on.
+    """The rows of named ids; every id must exist and have an allowed status, or none is acted on.
 
-    The statuses are checked without a lock, and only rows in an allowed status
-    are locked: a running message belongs to a relay, which must never wait for
-    an operator's refused command.
+    A running message belongs to a relay, which must never wait for an
+    operator's refused command: what is refused here is never locked, and
+    what acts on the rest locks them and checks again (``strict``).
     """
     found: dict[int, str] = {r.id: r.status for r in conn.execute(where.apply(select(m.c.id, m.c.status)))}
     missing = [i for i in where.ids if i not in found]
@@ -112,14 +118,12 @@ def _named(
         listed = ", ".join(f"{i} ({s})" for i, s in wrong)
         raise OpsError(f"can only {verb} {' or '.join(allowed)} messages; not {listed}")
     stmt = where.apply(select(*columns)).where(m.c.status.in_(allowed))
-    return _lock_all(conn, stmt, found, "changed status meanwhile")
+    return _all_or_none(conn, stmt, found, "changed status meanwhile")
 
 
-def _lock_all(conn: Connection, stmt: Select[Any], found: Iterable[int], change: str) -> list[Row[Any]]:
-    """Lock the rows ``stmt`` still selects; all of ``found`` must be among them, or none is acted on."""
+def _all_or_none(conn: Connection, stmt: Select[Any], found: Iterable[int], change: str) -> list[Row[Any]]:
+    """The rows ``stmt`` still selects; all of ``found`` must be among them, or none is acted on."""
     stmt = stmt.order_by(m.c.id)
-    if conn.dialect.name == "postgresql":
-        stmt = stmt.with_for_update()
     rows = list(conn.execute(stmt))
     changed = sorted(set(found) - {r.id for r in rows})
     if changed:  # a relay claimed it, or another operator acted, between the two reads
@@ -139,9 +143,9 @@ def _filtered_batches(
     """Rows a filter matches in an allowed status, ``batch_size`` at a time, a transaction each.
 
     The status condition is part of the query, so rows in any other status
-    (running ones above all: they belong to a relay) are neither loaded nor
-    locked. Each batch is committed before the next is read, so no lock is held
-    for long and memory stays bounded however many rows match.
+    (running ones above all: they belong to a relay) are never loaded. Each
+    batch is committed before the next is read, so the locks its action takes
+    are held briefly and memory stays bounded however many rows match.
     """
     if where.empty:
         raise OpsError(f"refusing to {verb} every message: give ids or a filter")
@@ -154,8 +158,6 @@ def _filtered_batches(
                 .order_by(m.c.id)
                 .limit(batch_size)
             )
-            if conn.dialect.name == "postgresql":
-                stmt = stmt.with_for_update()
             rows = list(conn.execute(stmt))
             if not rows:
                 return

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, insert, or_, select, text
+from sqlalchemy import and_, exists, func, insert, or_, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
@@ -30,6 +30,7 @@ from .._exceptions import ConfigurationError
 from .._routes import check_name
 from .._tables import outbox_pause, outbox_pause_log
 from ._base import OpsError, _check_reason, _now, m
+from ._in_database import call
 
 __all__ = ["NotPaused", "Pause", "PauseResult", "PauseSpan", "pause", "paused", "resume"]
 
@@ -172,14 +173,26 @@ def pause(
                 if current is not None:
                     held = _held_back(conn, kind, name)
                     return PauseResult(_with_held(current, held), changed=False, known=True)
-                now = _now()
-                conn.execute(
-                    insert(p).values(kind=kind, name=name, reason=reason, actor=actor, paused_at=now)
-                )
-                _logged(conn, "paused", kind, name, actor, reason, now)
-                known = _known(conn, kind, name)
+                if conn.dialect.name == "postgresql":
+                    (row,) = call(
+                        conn,
+                        "SELECT * FROM outbox_pause(:kind, :name, :actor, :reason)",
+                        kind=kind,
+                        name=name,
+                        actor=actor,
+                        reason=reason,
+                    )
+                    now, changed = row.paused_at, row.changed
+                    reason, actor = row.paused_reason, row.paused_actor
+                else:
+                    now, changed = _now(), True
+                    conn.execute(
+                        insert(p).values(kind=kind, name=name, reason=reason, actor=actor, paused_at=now)
+                    )
+                    _logged(conn, "paused", kind, name, actor, reason, now)
+                known = _known(conn, kind, name) if changed else True  # paused meanwhile: it is known
                 made = Pause(kind, name, reason, actor, now, _held_back(conn, kind, name))
-                return PauseResult(made, changed=True, known=known)
+                return PauseResult(made, changed=changed, known=known)
         except IntegrityError:
             continue
     raise OpsError(f"{kind} {name!r} was paused and resumed meanwhile; try again")
@@ -199,11 +212,7 @@ def resume(
     _check_reason(reason, actor)
     _check_actor(actor)
     with engine.begin() as conn:
-        ended = conn.execute(
-            p.delete()
-            .where(p.c.kind == kind, p.c.name == name)
-            .returning(p.c.reason, p.c.actor, p.c.paused_at)
-        ).first()
+        ended = _ended(conn, kind, name, actor, reason)
         if ended is None:
             others = ", ".join(
                 f"{r.kind} {r.name}" for r in conn.execute(select(p).order_by(p.c.kind, p.c.name))
@@ -212,12 +221,38 @@ def resume(
                 f"{kind} {name!r} is not paused; nothing to resume"
                 + (f" (paused now: {others})" if others else " (nothing is paused)")
             )
-        _logged(conn, "resumed", kind, name, actor, reason, _now())
         held = _held_back(conn, kind, name)
-        if conn.dialect.name == "postgresql":
-            # Relays waiting on LISTEN claim what was held back now, not at their next poll.
-            conn.execute(text("SELECT pg_notify('outbox', current_schema())"))
-    return Pause(kind, name, ended.reason, ended.actor, ended.paused_at, held)
+    return Pause(kind, name, *ended, held)
+
+
+def _ended(
+    conn: Connection, kind: str, name: str, actor: str, reason: str
+) -> tuple[str, str, datetime] | None:
+    """The pause a resume ends (its reason, actor and start), its log row written; None if not paused.
+
+    On PostgreSQL the database function also wakes the relays (NOTIFY), so what
+    was held back is claimed now, not at their next poll.
+    """
+    if conn.dialect.name == "postgresql":
+        if _in_force(conn, kind, name) is None:
+            return None
+        (row,) = call(
+            conn,
+            "SELECT paused_reason AS reason, paused_actor AS actor, paused_at"
+            " FROM outbox_resume(:kind, :name, :actor, :reason)",
+            kind=kind,
+            name=name,
+            actor=actor,
+            reason=reason,
+        )
+        return row.reason, row.actor, row.paused_at
+    ended = conn.execute(
+        p.delete().where(p.c.kind == kind, p.c.name == name).returning(p.c.reason, p.c.actor, p.c.paused_at)
+    ).first()
+    if ended is None:
+        return None
+    _logged(conn, "resumed", kind, name, actor, reason, _now())
+    return ended.reason, ended.actor, ended.paused_at
 
 
 def _with_held(pause: Pause, held: int) -> Pause:

@@ -20,6 +20,7 @@ from ._base import (
     a,
     m,
 )
+from ._in_database import missing_or_forbidden
 from ._retention import history_purge_allowed
 
 run = outbox_retention_run
@@ -143,16 +144,9 @@ class _PostgresPurge(_PurgeStore):
             with self.engine.begin() as conn:
                 return conn.execute(text(statement), params).one()
         except DBAPIError as error:
-            state = getattr(error.orig, "sqlstate", None)
-            if state == "42883":  # undefined_function
-                raise OpsError(
-                    "this database has no outbox purge functions yet: run `outbox migrate` first"
-                ) from None
-            if state == "42501" and "function outbox_purge" in str(error.orig):
-                raise OpsError(
-                    "this role may not run the outbox purge functions: grant it EXECUTE on them"
-                    " (docs/operations.md, Least privilege)"
-                ) from None
+            known = missing_or_forbidden(error, "outbox_purge", "outbox purge functions")
+            if known is not None:
+                raise known from None
             raise
 
     def start(
