@@ -20,12 +20,14 @@ from email.utils import formatdate
 from typing import Any
 
 from outbox import Message, PermanentError
+from outbox.ops import root_key
 
 __all__ = [
     "Body",
     "bad_header_text",
     "build_mail",
     "checked_header",
+    "earlier_message_ids",
     "header_problem",
     "message_id_for",
     "parse_address",
@@ -36,7 +38,8 @@ __all__ = [
 _UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
 _LABEL = re.compile(r"^[^\W_](?:[\w-]{0,61}[^\W_])?$")
 _MAX_RECIPIENTS = 100
-_REQUEUE_SUFFIX = re.compile(r"(?:~requeue:\d+)+$")
+#: How releases before ``outbox.ops.root_key`` took requeue suffixes off a key for the Message-ID.
+_EARLIER_REQUEUE_SUFFIX = re.compile(r"(?:~requeue:\d+)+$")
 #: Rounds of RFC 2047 decoding a header value is followed through. An honest value settles after
 #: one (or none); one still changing after these is nested on purpose, and refused.
 _DECODING_ROUNDS = 4
@@ -166,13 +169,31 @@ def message_id_for(message: Message, domain: str) -> str:
     From the idempotency key when the message has one (so re-emitting the same
     key maps to the same mail even after the outbox rows were purged), else from
     the event id; the route's name keeps two email routes of one event apart.
-    ``outbox requeue`` suffixes keys with ``~requeue:<old id>``; the suffix is
-    ignored, so a requeued copy is the same mail and the sent-log still applies.
+    The key counts through :func:`outbox.ops.root_key`, which is the same for
+    a message and every requeued copy of it at any key length, so a copy is
+    the same mail and the sent-log still applies.
     """
     if message.key is not None:
-        basis = "key:" + _REQUEUE_SUFFIX.sub("", message.key)
-    else:
-        basis = f"event:{message.event_id}"
+        return _message_id(message, "key:" + root_key(message.key), domain)
+    return _message_id(message, f"event:{message.event_id}", domain)
+
+
+def earlier_message_ids(message: Message, domain: str) -> list[str]:
+    """Another ``Message-ID`` earlier releases gave the same mail, which the sent-log may hold.
+
+    Those used the whole key, without its requeue suffixes, however long; a
+    key of over 227 characters now counts through its shortened stand-in
+    instead. A mail accepted under the old ``Message-ID`` is still found.
+    """
+    if message.key is None:
+        return []
+    earlier = "key:" + _EARLIER_REQUEUE_SUFFIX.sub("", message.key)
+    if earlier == "key:" + root_key(message.key):
+        return []
+    return [_message_id(message, earlier, domain)]
+
+
+def _message_id(message: Message, basis: str, domain: str) -> str:
     token = uuid.uuid5(uuid.NAMESPACE_URL, f"outbox-email:{message.handler}:{basis}").hex
     return f"<{token}@{domain}>"
 

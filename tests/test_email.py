@@ -448,6 +448,67 @@ def test_a_requeued_copy_is_the_same_mail_to_the_sent_log(engine, smtp):
     assert len(smtp.script.received) == 1
 
 
+def sent_then_dead(engine: Engine, message_id: int) -> None:
+    """The server accepted the mail and the sent-log recorded it, yet the message ended dead.
+
+    What a route timeout that fires first does on a message's last attempt: the worker thread's
+    conversation still ends in a sent mail (docs/email.md, Configuration).
+    """
+    with engine.begin() as conn:
+        conn.execute(update(m).where(m.c.id == message_id).values(status="dead", delivered_at=None))
+
+
+@pytest.mark.parametrize("length", [200, 246, 255])
+def test_a_requeued_copy_is_the_same_mail_at_any_key_length_and_a_copy_of_a_copy_too(engine, smtp, length):
+    from outbox.ops import MessageFilter, requeue
+
+    key = "ticket:" + "t" * (length - 11) + "ключ"  # the limit counts characters, not bytes
+    ob, factory = setup(engine, smtp.port)
+    send(ob, factory, {"to": "a@example.com", "subject": "S", "text": "t"}, key=key)
+    drain_all(ob, engine)
+    [sent] = smtp.script.received
+    chain = [messages(engine)[0].id]
+    for _ in range(2):  # the original, then its copy: each sent (or skipped), then dead, then requeued
+        sent_then_dead(engine, chain[-1])
+        [(old, new)] = requeue(engine, MessageFilter(ids=(chain[-1],)), reason="looked lost", actor="test")
+        assert old == chain[-1]
+        chain.append(new)
+        drain_all(ob, engine)
+    assert [r.mail["Message-ID"] for r in smtp.script.received] == [sent.mail["Message-ID"]], "sent once"
+    rows = {r.id: r for r in messages(engine)}
+    original, copy, copy_of_copy = (rows[i] for i in chain)
+    assert original.idempotency_key == key and len(copy_of_copy.idempotency_key) <= 255
+    assert (copy.requeued_from, copy_of_copy.requeued_from) == (original.id, copy.id)
+    assert copy_of_copy.status == "delivered"
+    handler = ob.routes[0].handler
+    with engine.connect() as conn:
+        history = conn.execute(select(a.c.message_id, a.c.detail).where(a.c.outcome == "delivered")).all()
+        sent_log = conn.execute(select(outbox_email_sent.c.message_id, outbox_email_sent.c.outbox_message_id))
+        [recorded] = sent_log.all()
+    assert recorded == (sent.mail["Message-ID"], original.id)
+    assert [(i, d.get("skipped"), d["message_id"]) for i, d in sorted(history, key=lambda h: h[0])] == [
+        (original.id, None, sent.mail["Message-ID"]),
+        (copy.id, "already accepted by the server", sent.mail["Message-ID"]),
+        (copy_of_copy.id, "already accepted by the server", sent.mail["Message-ID"]),
+    ]
+    for row in (original, copy, copy_of_copy):
+        assert handler.message_id(a_message(id=row.id, key=row.idempotency_key)) == sent.mail["Message-ID"]
+
+
+def test_a_long_keyed_mail_accepted_under_an_earlier_releases_message_id_is_not_sent_again(engine, smtp):
+    """Keys over 227 characters now count through their stand-in; the sent-log still knows the old id."""
+    handler = EmailHandler("127.0.0.1", smtp.port, sender="shop@example.com", sent_log=engine)
+    key = "k" * 240
+    earlier = f"<{uuid.uuid5(uuid.NAMESPACE_URL, f'outbox-email:mailer:key:{key}').hex}@example.com>"
+    SentLog(engine).record(earlier, handler="mailer", outbox_message_id=7, attempt=1, response="250 ok")
+    for message in (a_message(key=key), a_message(id=8, key=f"{key}~requeue:7")):
+        skipped = handler(message)
+        assert skipped["skipped"] == "already accepted by the server"
+        assert skipped["accepted_message_id"] == earlier != skipped["message_id"]
+    assert smtp.script.received == []
+    assert handler(a_message(key="k" * 239 + "x"))["smtp_code"] == 250, "the control: another key is sent"
+
+
 class BrokenSentLog(SentLog):
     def __init__(self, engine: Engine, *, reads: bool = True) -> None:
         super().__init__(engine)
