@@ -111,7 +111,9 @@ def render(env: Environment, name: str, context: Mapping[str, Any]) -> Body:
     subject, text, html = templates_of(env, name)
     try:
         return Body(
-            checked_header("subject", subject.render(context)),
+            checked_header(
+                "subject", subject.render(context), source=f"the subject rendered from {name}.subject.txt"
+            ),
             None if text is None else text.render(context),
             None if html is None else html.render(context),
         )

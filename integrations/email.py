@@ -53,6 +53,7 @@ from ._mail import (
     InvalidAddress,
     bad_header_text,
     build_mail,
+    earlier_message_ids,
     message_id_for,
     parse_address,
     parse_recipients,
@@ -250,14 +251,17 @@ class EmailHandler:
     def __call__(self, message: Message) -> dict[str, Any]:
         message_id = self.message_id(message)
         if self.sent_log is not None:
-            earlier = self._already_sent(message_id)
+            earlier = self._already_sent(message_id, *earlier_message_ids(message, self._sender.domain))
             if earlier is not None:
-                return {
+                skipped = {
                     "message_id": message_id,
                     "skipped": "already accepted by the server",
                     "accepted_at": earlier.accepted_at.isoformat(),
                     "accepted_in_attempt": earlier.attempt,
                 }
+                if earlier.message_id != message_id:  # sent by an earlier release, under its Message-ID
+                    skipped["accepted_message_id"] = earlier.message_id
+                return skipped
         mail = self.build(message)
         recipients = [*mail["To"].addresses]
         began = time.monotonic()
@@ -301,10 +305,15 @@ class EmailHandler:
                 detail["sent_log"] = "not recorded"
         return detail
 
-    def _already_sent(self, message_id: str) -> SentRecord | None:
+    def _already_sent(self, *message_ids: str) -> SentRecord | None:
+        """The sent-log's record of the first of ``message_ids`` a server accepted, if any."""
         assert self.sent_log is not None
         try:
-            return self.sent_log.lookup(message_id)
+            for message_id in message_ids:
+                record = self.sent_log.lookup(message_id)
+                if record is not None:
+                    return record
+            return None
         except SQLAlchemyError as exc:
             raise RetryLater(
                 f"the email sent-log could not be read ({type(exc).__name__}); nothing was sent",

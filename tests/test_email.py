@@ -448,6 +448,67 @@ def test_a_requeued_copy_is_the_same_mail_to_the_sent_log(engine, smtp):
     assert len(smtp.script.received) == 1
 
 
+def sent_then_dead(engine: Engine, message_id: int) -> None:
+    """The server accepted the mail and the sent-log recorded it, yet the message ended dead.
+
+    What a route timeout that fires first does on a message's last attempt: the worker thread's
+    conversation still ends in a sent mail (docs/email.md, Configuration).
+    """
+    with engine.begin() as conn:
+        conn.execute(update(m).where(m.c.id == message_id).values(status="dead", delivered_at=None))
+
+
+@pytest.mark.parametrize("length", [200, 246, 255])
+def test_a_requeued_copy_is_the_same_mail_at_any_key_length_and_a_copy_of_a_copy_too(engine, smtp, length):
+    from outbox.ops import MessageFilter, requeue
+
+    key = "ticket:" + "t" * (length - 11) + "ключ"  # the limit counts characters, not bytes
+    ob, factory = setup(engine, smtp.port)
+    send(ob, factory, {"to": "a@example.com", "subject": "S", "text": "t"}, key=key)
+    drain_all(ob, engine)
+    [sent] = smtp.script.received
+    chain = [messages(engine)[0].id]
+    for _ in range(2):  # the original, then its copy: each sent (or skipped), then dead, then requeued
+        sent_then_dead(engine, chain[-1])
+        [(old, new)] = requeue(engine, MessageFilter(ids=(chain[-1],)), reason="looked lost", actor="test")
+        assert old == chain[-1]
+        chain.append(new)
+        drain_all(ob, engine)
+    assert [r.mail["Message-ID"] for r in smtp.script.received] == [sent.mail["Message-ID"]], "sent once"
+    rows = {r.id: r for r in messages(engine)}
+    original, copy, copy_of_copy = (rows[i] for i in chain)
+    assert original.idempotency_key == key and len(copy_of_copy.idempotency_key) <= 255
+    assert (copy.requeued_from, copy_of_copy.requeued_from) == (original.id, copy.id)
+    assert copy_of_copy.status == "delivered"
+    handler = ob.routes[0].handler
+    with engine.connect() as conn:
+        history = conn.execute(select(a.c.message_id, a.c.detail).where(a.c.outcome == "delivered")).all()
+        sent_log = conn.execute(select(outbox_email_sent.c.message_id, outbox_email_sent.c.outbox_message_id))
+        [recorded] = sent_log.all()
+    assert recorded == (sent.mail["Message-ID"], original.id)
+    assert [(i, d.get("skipped"), d["message_id"]) for i, d in sorted(history, key=lambda h: h[0])] == [
+        (original.id, None, sent.mail["Message-ID"]),
+        (copy.id, "already accepted by the server", sent.mail["Message-ID"]),
+        (copy_of_copy.id, "already accepted by the server", sent.mail["Message-ID"]),
+    ]
+    for row in (original, copy, copy_of_copy):
+        assert handler.message_id(a_message(id=row.id, key=row.idempotency_key)) == sent.mail["Message-ID"]
+
+
+def test_a_long_keyed_mail_accepted_under_an_earlier_releases_message_id_is_not_sent_again(engine, smtp):
+    """Keys over 227 characters now count through their stand-in; the sent-log still knows the old id."""
+    handler = EmailHandler("127.0.0.1", smtp.port, sender="shop@example.com", sent_log=engine)
+    key = "k" * 240
+    earlier = f"<{uuid.uuid5(uuid.NAMESPACE_URL, f'outbox-email:mailer:key:{key}').hex}@example.com>"
+    SentLog(engine).record(earlier, handler="mailer", outbox_message_id=7, attempt=1, response="250 ok")
+    for message in (a_message(key=key), a_message(id=8, key=f"{key}~requeue:7")):
+        skipped = handler(message)
+        assert skipped["skipped"] == "already accepted by the server"
+        assert skipped["accepted_message_id"] == earlier != skipped["message_id"]
+    assert smtp.script.received == []
+    assert handler(a_message(key="k" * 239 + "x"))["smtp_code"] == 250, "the control: another key is sent"
+
+
 class BrokenSentLog(SentLog):
     def __init__(self, engine: Engine, *, reads: bool = True) -> None:
         super().__init__(engine)
@@ -521,6 +582,107 @@ def test_header_injection_and_bad_addresses_are_refused_at_emit_and_dead_not_sen
     assert smtp.script.received == []
     [(outcome, detail)] = outcomes(engine)
     assert outcome == "dead" and detail["reason"] in ("header_injection", "invalid_address")
+
+
+#: The review's subject: a ticket title whose encoded word the email package would decode into a
+#: forged Reply-To, a forged Content-Type and the attacker's HTML as the body.
+FORGED_SUBJECT = (
+    "=?utf-8?q?Your_ticket=0D=0AReply-To:_attacker@evil.example=0D=0AContent-Type:_text/html"
+    "=0D=0A=0D=0A<a_href=3Dhttps://evil.example/login>Verify</a>?="
+)
+ENCODED_INJECTIONS = {
+    "q-form": FORGED_SUBJECT,
+    "b-form": "=?utf-8?b?"
+    + base64.b64encode(b"Your ticket\r\nReply-To: attacker@evil.example\r\n\r\n<a>Verify</a>").decode()
+    + "?=",
+    "lf-only": "=?utf-8?q?Your_ticket=0AReply-To:_attacker@evil.example?=",
+    "cr-only": "=?utf-8?q?Your_ticket=0DReply-To:_attacker@evil.example?=",
+    "upper-case": "=?UTF-8?Q?Your_ticket=0D=0AReply-To:_attacker@evil.example?=",
+    "lower-case-hex": "=?Utf-8?q?Your_ticket=0d=0aReply-To:_attacker@evil.example?=",
+    "upper-b": "=?UTF-8?B?" + base64.b64encode(b"x\nReply-To: attacker@evil.example").decode() + "?=",
+    "mid-text": "Your ticket =?iso-8859-1?q?=0A?=Reply-To: attacker@evil.example",
+    "nested": "=?utf-8?q?=3D=3Futf-8=3Fq=3FYour_ticket=3D0AReply-To:_attacker@evil.example=3F=3D?=",
+}
+
+
+def refused_at_delivery(engine: Engine, smtp: Smtp, field: str) -> str:
+    """Drain; the one message must be dead with nothing sent, its history naming ``field``, not the value."""
+    with engine.connect() as conn:
+        [row] = conn.execute(select(m.c.status, m.c.attempts)).all()
+        [attempt] = conn.execute(select(a.c.outcome, a.c.error, a.c.detail)).all()
+    assert smtp.script.received == [], "nothing reached the SMTP server"
+    assert (row.status, row.attempts) == ("dead", 1), "permanent: no retry of a mail that cannot be sent"
+    assert attempt.outcome == "dead"
+    assert attempt.detail == {"field": field, "reason": "header_injection"}
+    assert "header injection refused" in attempt.error and "evil.example" not in attempt.error
+    return str(attempt.error)
+
+
+@pytest.mark.parametrize("subject", ENCODED_INJECTIONS.values(), ids=ENCODED_INJECTIONS.keys())
+def test_a_subject_whose_encoded_words_decode_to_a_line_break_is_refused_at_emit_and_dead(
+    engine, smtp, subject
+):
+    ob, factory = setup(engine, smtp.port)
+    payload = {"to": "a@example.com", "subject": subject, "text": "t"}
+    refused = r"payload: payload 'subject' decodes .*\(header injection refused\)$"
+    with pytest.raises(PayloadError, match=refused):
+        send(ob, factory, payload)
+    assert not messages(engine)
+    store_unchecked(engine, "mail", payload, "mailer")  # stored by a release without the check, say
+    drain_all(ob, engine)
+    assert refused_at_delivery(engine, smtp, "subject").startswith("payload 'subject' ")
+
+
+@pytest.mark.parametrize(
+    "to",
+    [
+        "=?utf-8?b?" + base64.b64encode(b"Ada\r\nBcc: victim@evil.example").decode() + "?= <a@example.com>",
+        "=?UTF-8?Q?Ada=0ABcc:_victim@evil.example?= <a@example.com>",
+        '"=?utf-8?q?Ada=0D=0ABcc:_victim@evil.example?=" <a@example.com>',
+        "=?utf-8?q?=3D=3Futf-8=3Fq=3FAda=3D0ABcc:_victim@evil.example=3F=3D?= <a@example.com>",
+    ],
+)
+def test_a_display_name_whose_encoded_words_decode_to_a_line_break_is_refused(engine, smtp, to):
+    ob, factory = setup(engine, smtp.port)
+    payload = {"to": ["b@example.com", to], "subject": "S", "text": "t"}
+    with pytest.raises(PayloadError, match=r"payload 'to': .*\(header injection refused\)$"):
+        send(ob, factory, payload)
+    store_unchecked(engine, "mail", payload, "mailer")
+    drain_all(ob, engine)
+    refused_at_delivery(engine, smtp, "to")
+
+
+@pytest.mark.parametrize("title", [ENCODED_INJECTIONS[form] for form in ("q-form", "b-form", "lf-only")])
+def test_a_rendered_subject_whose_encoded_words_decode_to_a_line_break_is_dead_at_delivery(
+    engine, smtp, tmp_path, title
+):
+    (tmp_path / "ticket.subject.txt").write_text("{{ title }}")
+    (tmp_path / "ticket.txt").write_text("Your ticket is open.")
+    ob, factory = setup(engine, smtp.port, templates=tmp_path)
+    # Rendering waits for delivery (a context_loader may complete the context), so emit stores it.
+    send(ob, factory, {"to": "a@example.com", "template": "ticket", "context": {"title": title}})
+    drain_all(ob, engine)
+    error = refused_at_delivery(engine, smtp, "subject")
+    assert error.startswith("the subject rendered from ticket.subject.txt ")
+
+
+@pytest.mark.parametrize(
+    ("subject", "received"),
+    [
+        ("=?utf-8?q?Caf=C3=A9?=", "Café"),
+        ("=?UTF-8?B?" + base64.b64encode("Grüße".encode()).decode() + "?=", "Grüße"),
+        ("Grüße aus Köln – Bestellung №5 ✓", "Grüße aus Köln – Bestellung №5 ✓"),
+        ("Tabs\tare fine, and so is a lone =? or ?=", "Tabs\tare fine, and so is a lone =? or ?="),
+    ],
+)
+def test_encoded_words_without_line_breaks_and_non_ascii_subjects_go_out(engine, smtp, subject, received):
+    ob, factory = setup(engine, smtp.port)
+    send(ob, factory, {"to": "=?utf-8?q?J=C3=BCrgen?= <j@example.com>", "subject": subject, "text": "t"})
+    drain_all(ob, engine)
+    [got] = smtp.script.received
+    assert got.mail["Subject"] == received
+    assert got.mail["To"].addresses[0].display_name == "Jürgen"
+    assert [outcome for outcome, _ in outcomes(engine)] == ["delivered"]
 
 
 def test_a_rendered_subject_with_a_line_break_is_refused(tmp_path):
@@ -755,6 +917,7 @@ def test_concurrent_threads_share_the_rate_limit(smtp):
         ({"starttls": True, "ssl": True}, "starttls"),
         ({"sender": "no address"}, "sender"),
         ({"sender": "a@example.com\r\nBcc: v@example.com"}, "sender"),
+        ({"sender": "=?utf-8?q?Shop=0D=0ABcc:_v@example.com?= <a@example.com>"}, "sender"),
         ({"username": "u"}, "username and password"),
         ({"timeout": 0}, "timeout"),
         ({"port": 0}, "port"),

@@ -535,8 +535,14 @@ def test_requeue_works_for_any_key_length_and_for_copies_of_copies(engine, lengt
     for old, new in itertools.pairwise(chain):
         assert keys[new] == ops.requeued_key(keys[old], old), "derivable from the copied row"
         assert keys[new].endswith(f"~requeue:{old}") and len(keys[new]) <= 255
+    # What handlers derive identities from (the email Message-ID) is the original's in every copy.
+    assert {ops.root_key(k) for k in keys.values()} == {ops.root_key(key)}
+    assert len(ops.root_key(key)) == min(length, ops.ROOT_KEY_LIMIT)
     short = "order:7"
     assert ops.requeued_key(short, 5) == "order:7~requeue:5", "short keys keep the whole key"
+    assert ops.root_key("order:7~requeue:5~requeue:9") == short
+    longest = ops.requeued_key("k" * ops.ROOT_KEY_LIMIT, 2**63 - 1)
+    assert longest is not None and len(longest) == 255 and longest.startswith("k" * ops.ROOT_KEY_LIMIT + "~")
 
 
 # -- requeue and discard by filter: running messages are a relay's, and batches bound the work ------

@@ -9,7 +9,7 @@ points back at it), so the audit trail stays complete.
 
 from __future__ import annotations
 
-from ._actions import discard, requeue, requeued_key, retry_now
+from ._actions import ROOT_KEY_LIMIT, discard, requeue, requeued_key, retry_now, root_key
 from ._base import NotFound, OpsError, parse_duration
 from ._dashboard import (
     ACTIVITY_RETRIED,
@@ -50,6 +50,7 @@ __all__ = [
     "MAX_REPORT_RUNS",
     "MIN_HISTORY_AGE",
     "REGISTRY_PERIOD",
+    "ROOT_KEY_LIMIT",
     "HandlerSeen",
     "CappedCount",
     "DeadChunk",
@@ -99,6 +100,7 @@ __all__ = [
     "requeued_key",
     "resume",
     "retry_now",
+    "root_key",
     "show",
     "stats",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -13,6 +15,7 @@ from ._base import (
     ACTION_BATCH,
     DISCARDABLE,
     KEY_LIMIT,
+    MAX_ID,
     REQUEUABLE,
     NotFound,
     OpsError,
@@ -25,6 +28,14 @@ from ._base import (
 )
 from ._filters import MessageFilter, _all_or_none, _filtered_batches, _named, _tried, _waiting
 from ._in_database import call
+
+_REQUEUE_MARK = "~requeue:"
+_REQUEUE_SUFFIXES = re.compile(r"(?:~requeue:[0-9]+)+$")
+#: The longest key a requeued copy repeats whole: room is kept for ``~requeue:`` and the
+#: 19 digits of the largest id (BIGINT), so whatever id is copied, the suffix fits after it.
+ROOT_KEY_LIMIT = KEY_LIMIT - len(_REQUEUE_MARK) - len(str(MAX_ID))
+_DIGEST_MARK = "~sha256:"
+_DIGEST_LENGTH = 32
 
 
 def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
@@ -60,19 +71,43 @@ def _record_action(
     )
 
 
+def root_key(key: str) -> str:
+    """What the key of a message and the keys of all its requeued copies have in common.
+
+    ``key`` without its ``~requeue:<id>`` suffixes: the original message's key.
+    One longer than :data:`ROOT_KEY_LIMIT` (227) characters, which a copy
+    could not repeat whole next to a suffix for a 19-digit id, stands for
+    itself shortened to exactly that length: its first 187 characters,
+    ``~sha256:`` and 32 hex digits of the SHA-256 of the whole. Applied to a
+    copy's key it gives the same string as applied to the original's, so a
+    handler that derives a side effect's identity from it (the email
+    handler's ``Message-ID``) treats every copy as the same delivery.
+    """
+    stem = _REQUEUE_SUFFIXES.sub("", key)
+    if len(stem) <= ROOT_KEY_LIMIT:
+        return stem
+    digest = hashlib.sha256(stem.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_LENGTH]
+    return f"{stem[: ROOT_KEY_LIMIT - len(_DIGEST_MARK) - _DIGEST_LENGTH]}{_DIGEST_MARK}{digest}"
+
+
 def requeued_key(key: str | None, old_id: int) -> str | None:
     """The idempotency key of the requeued copy of message ``old_id`` whose key is ``key``.
 
-    ``<key>~requeue:<old id>``; when that would not fit the column, ``key`` is
-    shortened from its end, never the suffix. The suffix names the message
-    copied, and a message is copied at most once, so the copy's key is unique
-    for its route (it never equals the original's), and a copy of a copy gets
-    its own suffix in turn.
+    ``<key>~requeue:<old id>``; when that would not fit the column, the suffix
+    follows :func:`root_key` of ``key`` instead (the original's key, or its
+    stand-in, without the earlier copies' suffixes). A key is never simply cut
+    short: its :func:`root_key`, which handlers may derive identities from, is
+    the original's at any length.
+    The suffix names the message copied, and a message is copied at most once,
+    so the copy's key is unique for its route (it never equals the
+    original's), and a copy of a copy gets its own suffix in turn.
     """
     if key is None:
         return None
-    suffix = f"~requeue:{old_id}"
-    return key[: KEY_LIMIT - len(suffix)] + suffix
+    suffix = f"{_REQUEUE_MARK}{old_id}"
+    if len(key) + len(suffix) <= KEY_LIMIT:
+        return key + suffix
+    return root_key(key) + suffix
 
 
 def _copy(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> int:
@@ -113,7 +148,7 @@ def requeue(
     actor, the reason and the new id. The copy keeps the event id, payload,
     route, group and aggregate; its idempotency key gains a ``~requeue:<old id>``
     suffix (see :func:`requeued_key`), because (route, key) is unique and the
-    old row still holds the key.
+    old row still holds the key; its :func:`root_key` is the original's.
 
     A message is requeued at most once, because the old row stays dead and a
     second copy would deliver the event twice: named ids that already have a
