@@ -7,8 +7,8 @@ The tree, so ``except`` clauses can be as wide or as narrow as a caller needs::
     │   └── NotInstalled            emit() on a session whose factory no Outbox was installed on
     ├── EmitError                   emit() refused the event; the caller's transaction is untouched
     │   ├── UnroutedEvent           no route subscribes to the event type
-    │   ├── PayloadError            payload not JSON-serialisable, not an object, too large, or a route's
-    │   │                           transform or handler refused it
+    │   ├── PayloadError            payload not JSON-serialisable, not an object, too large, nested too
+    │   │                           deeply, or a route's transform or handler refused it
     │   └── InvalidEmitOption       a bad option: negative delay, empty key, bad headers, ...
     ├── RetryLater                  raised by a handler: transient, try again (optionally after `delay`)
     └── PermanentError              raised by a handler: will never succeed, mark the message dead
@@ -65,7 +65,10 @@ class UnroutedEvent(EmitError):
 
 
 class PayloadError(EmitError):
-    """The payload cannot be stored: not a JSON object, not serialisable, or over the limit.
+    """The payload cannot be stored: not a JSON object, not serialisable, too large or too deep.
+
+    The limits are ``Outbox(payload_limit=...)`` bytes of JSON and
+    ``Outbox(payload_depth_limit=...)`` levels of nesting.
 
     Also raised when a route's ``transform`` fails or returns such a payload, or
     its handler's ``outbox_validate`` refuses the route's payload; the message

@@ -10,7 +10,7 @@ from ._exceptions import ConfigurationError
 from ._routes import Route, Transform, check_name, check_priority, handler_name
 from ._write.install import install as install_listeners
 from ._write.install import uninstall as uninstall_listeners
-from ._write.payload import DEFAULT_PAYLOAD_LIMIT
+from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -41,6 +41,7 @@ class Outbox:
         self,
         *,
         payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+        payload_depth_limit: int = DEFAULT_DEPTH_LIMIT,
         default_max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         default_timeout: float = DEFAULT_TIMEOUT,
         default_queue: str = DEFAULT_QUEUE,
@@ -57,6 +58,17 @@ class Outbox:
                 f"payload_limit must be a positive number of bytes, got {payload_limit!r}"
             )
         self.payload_limit = payload_limit
+        if (
+            isinstance(payload_depth_limit, bool)
+            or not isinstance(payload_depth_limit, int)
+            or not 1 <= payload_depth_limit <= MAX_DEPTH_LIMIT
+        ):
+            raise ConfigurationError(
+                f"payload_depth_limit must be a number of levels from 1 to {MAX_DEPTH_LIMIT}, "
+                f"got {payload_depth_limit!r}"
+            )
+        #: Levels of objects and arrays a payload may nest, the payload itself being 1 (see emit()).
+        self.payload_depth_limit = payload_depth_limit
         self.default_max_attempts = default_max_attempts
         self.default_timeout = default_timeout
         self.default_queue = check_name("default_queue", default_queue)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import html as html_text
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -19,10 +21,11 @@ import httpx
 import pytest
 import test_ops_cli
 from sqlalchemy import select
-from test_ops_cli import Seeded, history_of, statuses
+from test_ops_cli import Seeded, assert_cut_at_depth_shown, history_of, insert_nested_message, statuses
 
 import outbox
 from outbox import ops
+from outbox._redact import TOO_DEEP
 from outbox.dashboard import CONTENT_SECURITY_POLICY, create_app, token_auth
 from outbox.relay import Relay
 
@@ -352,6 +355,20 @@ def test_host_header_must_be_allowed(seeded):
     with client(seeded, allowed_hosts=["127.0.0.1", "localhost"]) as c:
         assert c.get("/", headers={"host": "evil.example"}).status_code == 421
         assert c.get("/", headers={"host": "localhost:8765"}).status_code == 200
+
+
+@pytest.mark.parametrize("levels", [600, 5000])
+def test_a_message_nested_however_deeply_gets_its_page(engine, levels):
+    """Rows from before emit() capped nesting, or from other writers, once answered 500."""
+    mid = insert_nested_message(engine, levels)
+    with Client(create_app(engine)) as reader:
+        response = reader.get(f"/messages/{mid}")
+    assert response.status_code == 200, response.text
+    assert "hunter2" not in response.text
+    payload, headers = re.findall(r'<pre class="json"[^>]*>(.*?)</pre>', response.text, re.S)
+    assert_cut_at_depth_shown(json.loads(html_text.unescape(payload)), levels)
+    assert_cut_at_depth_shown(json.loads(html_text.unescape(headers)), levels)
+    assert json.dumps(TOO_DEEP) in html_text.unescape(response.text)  # the history row's detail
 
 
 def test_hostile_text_renders_inert(operator, seeded):

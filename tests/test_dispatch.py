@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -155,6 +156,80 @@ def test_a_returned_detail_is_stored_as_plain_json_whatever_it_holds(engine: Eng
         {"text": "a\\x00b", "codes": [250, 251]},
     ]
     assert returned[0]["tags"][1] == {"b": 2}  # the handler's own objects are left as they were
+
+
+class Upstream(Exception):
+    """A client library's error quoting the reply it got, and keeping it as the detail."""
+
+    def __init__(self, reply: Any, detail: Any) -> None:
+        super().__init__(reply)
+        self.detail = detail
+
+
+def _chain(levels: int) -> dict[str, Any]:
+    """An object ``levels`` deep, with a secret-named key at every level."""
+    doc: dict[str, Any] = {"end": True}
+    for _ in range(levels - 1):
+        doc = {"next": doc, "token": "hunter2"}
+    return doc
+
+
+def _depth(document: Any) -> int:
+    """Levels of objects and arrays, counted without recursion."""
+    deepest, level = 0, [(document, 1)]
+    while level:
+        value, depth = level.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            level.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def test_deeply_nested_errors_and_details_are_recorded_cut_to_what_readers_show(engine: Engine):
+    """A handler's exception or result may hold anything; its outcome is still written, and the
+    stored detail stops at DEPTH_SHOWN levels, where ``outbox show`` and the dashboard stop too."""
+    from outbox._redact import DEPTH_SHOWN, TOO_DEEP
+
+    ob = Outbox()
+
+    @ob.handler("e", name="h", max_attempts=1)
+    def handler(msg):
+        n = msg.payload["n"]
+        if n == 0:  # far past the recursion limit in the args, past what is shown in the detail
+            raise Upstream(_chain(5000), _chain(300))
+        if n == 1:
+            raise outbox.RetryLater("busy", detail=_chain(600))
+        if n == 2:
+            return _chain(DEPTH_SHOWN + 1)
+        return {"status": 200}
+
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        with maker() as s, s.begin():
+            for n in range(4):
+                emit(s, "e", {"n": n})
+        Relay(ob, engine).run_until_idle()
+    finally:
+        ob.uninstall(maker)
+    with engine.connect() as conn:
+        statuses = conn.execute(select(m.c.status).order_by(m.c.id)).scalars().all()
+        history = conn.execute(select(a.c.outcome, a.c.error_type, a.c.detail).order_by(a.c.message_id)).all()
+    assert statuses == ["dead", "dead", "delivered", "delivered"]
+    assert [(h.outcome, h.error_type) for h in history] == [
+        ("dead", f"{__name__}.Upstream"),
+        ("dead", "outbox.RetryLater"),
+        ("delivered", None),
+        ("delivered", None),
+    ]
+    for detail in [h.detail for h in history[:3]]:
+        assert _depth(detail) == DEPTH_SHOWN
+        deepest = detail
+        while isinstance(deepest, dict) and "next" in deepest:
+            assert deepest["token"] == "***"
+            deepest = deepest["next"]
+        assert deepest == TOO_DEEP
+    assert history[3].detail == {"status": 200}
 
 
 def test_one_claim_times_out_its_slow_deliveries_and_keeps_the_quick_and_stubborn_ones(engine: Engine):

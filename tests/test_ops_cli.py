@@ -15,22 +15,25 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from aging import age_history
-from sqlalchemy import func, select, text
+from sqlalchemy import Text, cast, func, insert, literal, select, text
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
 from outbox import Backoff, Outbox, PermanentError, emit, ops
+from outbox._redact import DEPTH_SHOWN, TOO_DEEP
 from outbox.cli import main as outbox_main
 from outbox.relay import Relay
 
@@ -386,6 +389,96 @@ def test_show_masks_secrets_and_lists_history_in_order(seeded):
     assert attempts[1].rstrip().endswith("order 7 is unknown to billing")
 
     assert_one_line_error(unknown, 1, "no message with id 999999")
+
+
+def nested_json(levels: int) -> str:
+    """JSON text ``levels`` objects deep, a secret-named key at every level but the last."""
+    return '{"token":"hunter2","next":' * (levels - 1) + '{"end":true}' + "}" * (levels - 1)
+
+
+def depth(document: Any) -> int:
+    """Levels of objects and arrays, counted without recursion."""
+    deepest, todo = 0, [(document, 1)]
+    while todo:
+        value, level = todo.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, level)
+            todo.extend((item, level + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def insert_nested_message(engine: Engine, levels: int) -> int:
+    """A dead message whose payload, headers and history detail nest ``levels`` deep.
+
+    Written as the table's owner would, straight into the table: emit() refuses
+    such payloads now, but rows from before it did, or from other writers, remain.
+    """
+
+    def document(levels: int) -> Any:
+        stored = literal(nested_json(levels), Text())
+        return cast(stored, JSONB) if engine.dialect.name == "postgresql" else stored
+
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        message_id: int = conn.execute(
+            insert(m)
+            .values(
+                event_id=uuid.uuid4(),
+                event_type="order.paid",
+                handler="invoice",
+                queue="billing",
+                priority=0,
+                payload=document(levels),
+                headers=document(levels),
+                status="dead",
+                attempts=1,
+                max_attempts=1,
+                available_at=now,
+                created_at=now,
+                updated_at=now,
+            )
+            .returning(m.c.id)
+        ).scalar_one()
+        conn.execute(
+            insert(a).values(
+                message_id=message_id, attempt=1, outcome="dead", started_at=now, detail=document(levels)
+            )
+        )
+    return message_id
+
+
+def assert_cut_at_depth_shown(document: Any, levels: int) -> None:
+    """What a reader shows of ``nested_json(levels)``: the top levels, secrets masked, then the marker."""
+    if levels > 900:  # too deep for the json module to decode at all: the marker stands in for all of it
+        assert document == TOO_DEEP
+        return
+    assert depth(document) == DEPTH_SHOWN
+    while isinstance(document, dict):
+        assert document["token"] == "***"
+        document = document["next"]
+    assert document == TOO_DEEP
+
+
+@pytest.mark.parametrize("levels", [600, 5000])
+def test_show_and_tail_print_a_stored_message_however_deeply_it_nests(database_url, engine, levels):
+    """600 levels was the review's case (a RecursionError traceback); 5000 is past what the driver decodes."""
+    mid = insert_nested_message(engine, levels)
+    human, as_json, tail = run_all(
+        [["show", str(mid)], ["show", str(mid), "--json"], ["tail", "--last", "1", "--count", "1", "--json"]],
+        database_url,
+    )
+    for result in (human, as_json, tail):
+        assert "hunter2" not in ok(result)
+    line = re.search(r"^\s+payload: (.*)$", ok(human), re.M)
+    assert line, ok(human)
+    assert_cut_at_depth_shown(json.loads(line[1]) if line[1].startswith("{") else line[1], levels)
+    shown = ok_json(as_json)
+    assert_cut_at_depth_shown(shown["message"]["payload"], levels)
+    assert_cut_at_depth_shown(shown["message"]["headers"], levels)
+    assert_cut_at_depth_shown(shown["attempts"][0]["detail"], levels)
+    followed = json.loads(ok(tail))
+    assert followed["message_id"] == mid
+    assert_cut_at_depth_shown(followed["detail"], levels)
 
 
 # -- requeue --------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 from test_email import SENDER, Smtp, parts_of, start_server
 from test_webhook import LOCAL, SECRET, Receiver, serve
+from test_write_side import nested
 
 import outbox
 from outbox import ConfigurationError, Message, Outbox, PayloadError, Route, emit
@@ -148,6 +149,7 @@ def test_a_failing_transform_refuses_the_whole_emit_and_the_transaction_carries_
         (lambda p: None, "payload must be a JSON object"),
         (lambda p: {"blob": "x" * 70_000}, "over the limit of 65536 bytes"),
         (lambda p: {"text": "a\x00b"}, "NUL character"),
+        (lambda p: nested(65), "nested 65 levels deep, over the limit of 64"),
     ],
 )
 def test_a_transform_result_that_cannot_be_stored_is_refused_naming_the_route(

@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 from sqlalchemy import String, func, select, text
@@ -11,9 +12,33 @@ from sqlalchemy.exc import DatabaseError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import outbox
-from outbox import EmitError, InvalidEmitOption, Outbox, OutboxMixin, PayloadError, UnroutedEvent, emit
+from outbox import (
+    ConfigurationError,
+    EmitError,
+    InvalidEmitOption,
+    Outbox,
+    OutboxMixin,
+    PayloadError,
+    UnroutedEvent,
+    emit,
+)
+from outbox.relay import Relay
 
 m = outbox.outbox_message
+
+
+def nested(levels: int) -> dict[str, Any]:
+    """A payload ``levels`` deep, objects and arrays taking turns; the payload itself is level 1."""
+    inner: Any = "bottom"
+    for level in range(levels, 1, -1):
+        inner = [inner] if level % 2 == 0 else {"next": inner}
+    return {"next": inner}
+
+
+def _containing_itself() -> dict[str, Any]:
+    payload: dict[str, Any] = {"ok": 1, "items": []}
+    payload["items"].append(payload)
+    return payload
 
 
 class Base(DeclarativeBase):
@@ -215,6 +240,11 @@ def test_the_payload_is_captured_at_emit_time(maker, engine):
             PayloadError,
             r"payload\['a'\] is a mappingproxy.*dict\(value\)",
         ),
+        (
+            {"payload": _containing_itself()},
+            PayloadError,
+            r"^payload\['items'\]\[0\] is an object or array that contains itself",
+        ),
     ],
 )
 def test_what_the_database_cannot_store_is_refused_at_emit(maker, engine, kwargs, error, needle):
@@ -268,6 +298,63 @@ def test_payload_limit_is_configurable_and_counts_utf8_bytes(engine):
     finally:
         ob.uninstall(factory)
     assert len(rows(engine)) == 1
+
+
+@pytest.mark.parametrize("levels", [65, 990])
+def test_a_payload_nested_past_the_depth_limit_is_refused_at_emit_and_the_callers_rows_commit(
+    maker, engine, levels
+):
+    """990 levels once passed emit() and then broke the commit on SQLite, rolling back the caller's rows."""
+    with maker() as s, s.begin():
+        s.add(User(email="kept@example.com"))
+        with pytest.raises(PayloadError) as refused:
+            emit(s, "user.signed_up", nested(levels))
+        emit(s, "user.signed_up", {"after": True})  # nothing was buffered, and the transaction is usable
+    said = str(refused.value)
+    assert said.startswith(f"payload is nested {levels} levels deep, over the limit of 64 (level 65 starts ")
+    assert "store it flatter, or raise the limit with Outbox(payload_depth_limit=...)" in said
+    assert "\n" not in said and len(said) < 300
+    assert [r.payload for r in rows(engine)] == [{"after": True}] * 2
+    with engine.connect() as conn:
+        assert conn.execute(select(User.email)).scalars().all() == ["kept@example.com"]
+
+
+def test_a_payload_as_deep_as_the_limit_is_stored_and_delivered_and_one_level_more_is_not(engine):
+    ob = Outbox()
+    delivered: list[Any] = []
+    ob.route("deep", lambda msg: delivered.append(msg.payload), name="deep")
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    try:
+        with factory() as s, s.begin():
+            emit(s, "deep", nested(64))
+            with pytest.raises(PayloadError, match="nested 65 levels deep"):
+                emit(s, "deep", nested(65))
+        Relay(ob, engine).run_until_idle()
+    finally:
+        ob.uninstall(factory)
+    assert delivered == [nested(64)]
+    assert [(r.status, r.payload) for r in rows(engine)] == [("delivered", nested(64))]
+
+
+def test_the_depth_limit_is_configurable_within_what_readers_and_encoders_can_take(engine):
+    ob = Outbox(payload_depth_limit=3)
+    ob.route("e", lambda msg: None, name="r")
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    try:
+        with factory() as s, s.begin():
+            emit(s, "e", {"a": [{"b": 1}]})  # three levels
+            with pytest.raises(PayloadError, match=r"nested 4 levels deep, over the limit of 3 \(level 4 "):
+                emit(s, "e", {"a": [{"b": [1]}]})
+    finally:
+        ob.uninstall(factory)
+    assert [r.payload for r in rows(engine)] == [{"a": [{"b": 1}]}]
+    assert Outbox(payload_depth_limit=256).payload_depth_limit == 256
+    refused = "payload_depth_limit must be a number of levels from 1 to 256"
+    for bad in (0, 257, True, 64.0, "64"):
+        with pytest.raises(ConfigurationError, match=refused):
+            Outbox(payload_depth_limit=bad)  # type: ignore[arg-type]
 
 
 def test_a_mixin_instance_outside_any_session_cannot_emit(maker, engine):

@@ -10,21 +10,107 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import InvalidEmitOption, PayloadError
+from .._redact import DEPTH_SHOWN
 
 if TYPE_CHECKING:
     from .._routes import Route
 
-__all__ = ["DEFAULT_PAYLOAD_LIMIT", "check_headers", "route_document", "serialise_payload", "text_problem"]
+__all__ = [
+    "DEFAULT_DEPTH_LIMIT",
+    "DEFAULT_PAYLOAD_LIMIT",
+    "MAX_DEPTH_LIMIT",
+    "check_headers",
+    "route_document",
+    "serialise_payload",
+    "text_problem",
+]
 
 DEFAULT_PAYLOAD_LIMIT = 64 * 1024
+#: How many levels of objects and arrays a payload may nest, the payload itself being level 1
+#: (``{"a": {"b": [1]}}`` is 3 deep). Real documents (an order with its lines, a rich-text tree,
+#: a JSON Schema) stay well under 20. Everything that handles a payload after emit() spends
+#: stack per level: the json module's encoder and decoder (which psycopg's JSONB adaptation
+#: uses both ways, and the relay to read a claimed row) take one level of Python's recursion
+#: limit (1000) each, shared with whatever the caller's stack already holds; SQLite's JSON
+#: functions refuse more than 1000 levels; PostgreSQL's parser is bounded by max_stack_depth.
+#: Without a cap a payload 990 deep passed emit() and then broke the caller's commit on SQLite,
+#: the relay's claim on PostgreSQL, and every reader. 64 is far inside all of these.
+DEFAULT_DEPTH_LIMIT = 64
+#: The most ``Outbox(payload_depth_limit=...)`` allows: still a quarter of the recursion limit,
+#: leaving the rest to a web framework's and SQLAlchemy's frames; and the depth operators'
+#: readers (``outbox show``, the dashboard) show whole.
+MAX_DEPTH_LIMIT = DEPTH_SHOWN
 
 
 def _path(parts: list[str]) -> str:
     return "payload" + "".join(parts)
 
 
-def _find_unstorable(value: Any, parts: list[str]) -> str | None:
-    """Say where and why a value would not survive a JSON round trip unchanged."""
+class _TooDeep(Exception):
+    """The walk reached a container more levels deep than allowed (a reference cycle does too)."""
+
+    def __init__(self, parts: list[str]) -> None:
+        super().__init__()
+        self.where = _short_path(parts)
+
+
+def _short_path(parts: list[str]) -> str:
+    """A path for an error line: the deep middle of a long one elided."""
+    if len(parts) > 8:
+        parts = [*parts[:4], "…", *parts[-3:]]
+    return _path(parts)
+
+
+def _containers(value: Any) -> Any:
+    """(path part, item) of each object or array directly inside ``value``."""
+    if isinstance(value, dict):
+        return ((f"[{key!r}]", item) for key, item in value.items() if isinstance(item, dict | list | tuple))
+    return ((f"[{index}]", item) for index, item in enumerate(value) if isinstance(item, dict | list | tuple))
+
+
+def _depth_problem(payload: dict[str, Any], limit: int, where: str) -> str:
+    """The error for a payload the walk found nested past ``limit`` levels (first at ``where``).
+
+    Measures the whole depth, to say how far over the limit it is, with a loop
+    and a stack of its own rather than recursion, so no depth is too much to
+    measure; only ever run for a payload that is already refused. A payload
+    that contains itself is endlessly deep, and is named for that instead.
+    """
+    deepest = 1
+    parts: list[str] = []
+    stack = [(id(payload), _containers(payload))]  # from the payload down to where the walk is
+    is_open = {id(payload)}
+    while stack:
+        for part, item in stack[-1][1]:
+            if id(item) in is_open:
+                return (
+                    f"{_short_path([*parts, part])} is an object or array that contains itself, "
+                    "which JSON cannot represent; store a copy without the cycle"
+                )
+            parts.append(part)
+            stack.append((id(item), _containers(item)))
+            is_open.add(id(item))
+            deepest = max(deepest, len(stack))
+            break
+        else:
+            is_open.discard(stack.pop()[0])
+            if parts:
+                parts.pop()
+    return (
+        f"payload is nested {deepest} levels deep, over the limit of {limit} (level {limit + 1} "
+        f"starts at {where}); store it flatter, or raise the limit with "
+        f"Outbox(payload_depth_limit=...) (at most {MAX_DEPTH_LIMIT})"
+    )
+
+
+def _find_unstorable(value: Any, parts: list[str], levels: int) -> str | None:
+    """Say where and why a value would not survive a JSON round trip unchanged.
+
+    ``levels``: how many levels of containers may still open here; one more
+    raises ``_TooDeep``. Counted in the walk emit() makes anyway, so the depth
+    check costs an argument and a comparison per container, and the walk never
+    recurses far enough to meet Python's recursion limit.
+    """
     if value is None or isinstance(value, str | bool | int):
         return None
     if isinstance(value, float):
@@ -32,6 +118,8 @@ def _find_unstorable(value: Any, parts: list[str]) -> str | None:
             return None
         return f"{_path(parts)} is {value!r}, which JSON cannot represent"
     if isinstance(value, dict):
+        if not levels:
+            raise _TooDeep(parts)
         for key, item in value.items():
             if not isinstance(key, str):
                 return (
@@ -39,15 +127,17 @@ def _find_unstorable(value: Any, parts: list[str]) -> str | None:
                     "JSON object keys must be strings"
                 )
             parts.append(f"[{key!r}]")
-            problem = _find_unstorable(item, parts)
+            problem = _find_unstorable(item, parts, levels - 1)
             parts.pop()
             if problem:
                 return problem
         return None
     if isinstance(value, list | tuple):
+        if not levels:
+            raise _TooDeep(parts)
         for index, item in enumerate(value):
             parts.append(f"[{index}]")
-            problem = _find_unstorable(item, parts)
+            problem = _find_unstorable(item, parts, levels - 1)
             parts.pop()
             if problem:
                 return problem
@@ -131,18 +221,22 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-def serialise_payload(payload: Any, limit: int) -> str:
+def serialise_payload(payload: Any, limit: int, depth_limit: int) -> str:
     """Return the payload as compact JSON, or raise PayloadError saying what to fix.
 
-    The returned document is what gets stored: a caller who changes the dict
-    after emit() cannot slip an unchecked or oversized value past the checks.
+    ``limit`` is in bytes of JSON, ``depth_limit`` in levels of nesting (see
+    ``DEFAULT_DEPTH_LIMIT``). The returned document is what gets stored: a
+    caller who changes the dict after emit() cannot slip an unchecked,
+    oversized or deeper value past the checks.
     """
     if not isinstance(payload, dict):
         hint = "pass dict(payload)" if isinstance(payload, Mapping) else "wrap it, e.g. {'value': ...}"
         raise PayloadError(f"payload must be a JSON object (a dict), got {type(payload).__name__}; {hint}")
     try:
-        problem = _find_unstorable(payload, [])
-    except RecursionError:
+        problem = _find_unstorable(payload, [], depth_limit)
+    except _TooDeep as exc:
+        raise PayloadError(_depth_problem(payload, depth_limit, exc.where)) from None
+    except RecursionError:  # only if the caller's own stack is already close to the limit
         raise PayloadError("payload is nested too deeply to serialise") from None
     if problem:
         raise PayloadError(problem)
@@ -171,7 +265,14 @@ def serialise_payload(payload: Any, limit: int) -> str:
     return document
 
 
-def route_document(route: Route, event_type: str, payload: Any, document: str, limit: int) -> str:
+def route_document(
+    route: Route,
+    event_type: str,
+    payload: Any,
+    document: str,
+    limit: int,
+    depth_limit: int,
+) -> str:
     """The JSON text ``route`` stores for one event, or PayloadError naming the route.
 
     ``document`` is the event's checked payload text. A transform gets its own
@@ -198,7 +299,7 @@ def route_document(route: Route, event_type: str, payload: Any, document: str, l
                 "a transform runs inside emit() and must be a plain function"
             )
         try:
-            document = serialise_payload(shaped, limit)
+            document = serialise_payload(shaped, limit, depth_limit)
         except PayloadError as exc:
             raise PayloadError(
                 f"route {route.name!r}: transform of the {event_type!r} payload returned one that "
@@ -214,6 +315,7 @@ def route_document(route: Route, event_type: str, payload: Any, document: str, l
 
 
 def check_headers(headers: Any) -> dict[str, str]:
+    """The headers as a flat mapping of str to str: nothing nests, so there is no depth to cap."""
     if headers is None:
         return {}
     if not isinstance(headers, Mapping):

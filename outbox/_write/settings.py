@@ -18,6 +18,7 @@ __all__ = ["EmitSettings"]
 
 class EmitSettings(Protocol):
     payload_limit: int
+    payload_depth_limit: int
     #: Send the commit's INSERT with the COMMIT on psycopg (``pipeline``).
     pipeline_writes: bool
     trace_context: bool

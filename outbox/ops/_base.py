@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import ColumnElement, select
+from sqlalchemy import Column, ColumnElement, Table, Text, cast, select
 
 from .._exceptions import OutboxError
+from .._redact import TOO_DEEP
 from .._tables import outbox_attempt, outbox_message
 
 m = outbox_message
@@ -44,6 +47,25 @@ def utc_time(text: str) -> datetime:
     if parsed.tzinfo is None:
         return parsed.replace(tzinfo=UTC)
     return parsed.astimezone(UTC)
+
+
+def as_text(table: Table, *documents: str) -> list[Column[Any] | ColumnElement[Any]]:
+    """Every column of ``table``, in order, with the named JSON ones read as their text (see ``decoded``)."""
+    return [cast(c, Text).label(c.name) if c.name in documents else c for c in table.c]
+
+
+def decoded(document: str | None) -> Any:
+    """A stored JSON document read as text, decoded; ``TOO_DEEP`` in its place if it nests too deeply.
+
+    Left to the driver, a document too deep for the json module (written before
+    emit() capped nesting, or by another writer) would fail the whole read.
+    """
+    if document is None:
+        return None
+    try:
+        return json.loads(document)
+    except RecursionError:
+        return TOO_DEEP
 
 
 def _now() -> datetime:

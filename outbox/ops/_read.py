@@ -18,6 +18,8 @@ from ._base import (
     _has_copy,
     _now,
     a,
+    as_text,
+    decoded,
     m,
 )
 from ._filters import MessageFilter
@@ -175,10 +177,12 @@ def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> Mes
     """
     redactor = Redactor(secrets)
     with engine.connect() as conn:
-        row = conn.execute(select(m).where(m.c.id == message_id)).first()
+        row = conn.execute(select(*as_text(m, "payload", "headers")).where(m.c.id == message_id)).first()
         if row is None:
             raise NotFound(f"no message with id {message_id}")
-        attempts = list(conn.execute(select(a).where(a.c.message_id == message_id).order_by(a.c.id)))
+        attempts = list(
+            conn.execute(select(*as_text(a, "detail")).where(a.c.message_id == message_id).order_by(a.c.id))
+        )
         finished = row.status in ("delivered", "dead", "discarded")
         pauses = spans_over(
             conn,
@@ -187,6 +191,7 @@ def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> Mes
             row.updated_at if finished else None,
         )
     message = dict(row._mapping)
-    message["payload"] = redactor.value(message["payload"])
-    message["headers"] = redactor.value(message["headers"])
-    return MessageHistory(message=message, attempts=[dict(r._mapping) for r in attempts], pauses=pauses)
+    message["payload"] = redactor.value(decoded(message["payload"]))
+    message["headers"] = redactor.value(decoded(message["headers"]))
+    history = [{**r._mapping, "detail": redactor.value(decoded(r.detail))} for r in attempts]
+    return MessageHistory(message=message, attempts=history, pauses=pauses)

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Select, func, literal, select
+from sqlalchemy import Select, Text, cast, func, literal, select
 from sqlalchemy.engine import Connection, Engine, Row
 
 from .._redact import Redactor
 from .._tables import outbox_attempt, outbox_message
+from ._base import decoded
 
 __all__ = ["GAP_GRACE", "HistoryEntry", "HistoryFilter", "follow_history"]
 
@@ -134,7 +135,7 @@ def _query() -> Select[Any]:
         a.c.error_type,
         a.c.error,
         a.c.reason,
-        a.c.detail,
+        cast(a.c.detail, Text).label("detail"),  # decoded here, whatever its depth
     ).select_from(a.outerjoin(m, m.c.id == a.c.message_id))
 
 
@@ -177,7 +178,7 @@ def _entry(row: Row[Any], redactor: Redactor) -> HistoryEntry:
             **values,
             "error": None if values["error"] is None else redactor.text(values["error"]),
             "reason": None if values["reason"] is None else redactor.text(values["reason"]),
-            "detail": redactor.value(values["detail"]),
+            "detail": redactor.value(decoded(values["detail"])),
         }
     )
 
