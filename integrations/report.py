@@ -11,6 +11,10 @@ return the same, explicitly ordered set every time it is called (order by a
 unique key, bound the set by a high-water mark taken at start); otherwise rows
 inserted or deleted meanwhile shift the pages and rows are duplicated or lost.
 
+A run that can no longer complete is failed, so nobody waits for it: when a
+chunk goes dead (the relay's ``message_dead`` signal), and when an operator
+discards one (see :meth:`ReportJob.outbox_start` for how that is noticed).
+
 Chunks go to the ``reports`` queue, but a queue is not a reservation: a relay
 serving every queue gives report chunks every free slot. A relay that serves
 reports and urgent mail must cap the queue (``queue_concurrency={"reports": 2}``)
@@ -34,6 +38,7 @@ or leave reports to relays of their own (``--queue reports``).
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import logging
 import math
@@ -51,9 +56,10 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.engine import Engine, Row
 from sqlalchemy.orm import Session
 
-from outbox import ConfigurationError, Message, Outbox, PermanentError, emit, signals
+from outbox import ConfigurationError, Message, Outbox, PermanentError, Route, emit, signals
+from outbox._first_line import first_line
 from outbox._routes import check_name
-from outbox.ops._reports import report_handler
+from outbox.ops._reports import DiscardedChunk, discarded_chunks, report_handler
 
 from ._report_tables import RUN_STATUSES, outbox_report_chunk, outbox_report_run, report_metadata
 
@@ -67,6 +73,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("outbox.integrations.report")
+
+#: A run in one of these statuses may still complete; a dead or discarded chunk fails it.
+UNFINISHED = ("running", "assembling")
 
 CountRows = Callable[[Session, Mapping[str, Any]], int]
 FetchRows = Callable[[Session, Mapping[str, Any], int, int], Iterable[Sequence[Any]]]
@@ -110,6 +119,10 @@ class ReportJob:
     queue with ``Relay(..., queue_concurrency={"reports": 2})`` (CLI
     ``--queue-concurrency reports=2``) or serve it with its own relay
     (``--queue reports``), so mail always finds a free slot.
+
+    Every ``discard_check_interval`` seconds (default 10), each relay serving
+    the outbox looks for runs left unfinished by a discarded chunk
+    (:meth:`outbox_start`).
     """
 
     def __init__(
@@ -127,11 +140,21 @@ class ReportJob:
         priority: int = 100,
         max_attempts: int = 5,
         timeout: float = 300.0,
+        discard_check_interval: float = 10.0,
     ) -> None:
         self.name = check_name("report name", name)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ConfigurationError(
                 f"report {name!r}: chunk_size must be a positive integer, got {chunk_size!r}"
+            )
+        if (
+            isinstance(discard_check_interval, bool)
+            or not isinstance(discard_check_interval, int | float)
+            or not 0 < discard_check_interval < math.inf
+        ):
+            raise ConfigurationError(
+                f"report {name!r}: discard_check_interval must be a positive number of seconds,"
+                f" got {discard_check_interval!r}"
             )
         if not header:
             raise ConfigurationError(f"report {name!r}: header must name at least one column")
@@ -152,8 +175,11 @@ class ReportJob:
             max_attempts=max_attempts,
             timeout=timeout,
         )
+        self.discard_check_interval = float(discard_check_interval)
         # A chunk that goes dead fails its run, so the UI stops waiting for it.
         signals.message_dead.connect(self._on_dead, sender=outbox, weak=False)
+        # Each relay's look for discarded chunks, by the event loop it serves on.
+        self._discard_checks: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
 
     def __repr__(self) -> str:
         return f"<ReportJob {self.name}>"
@@ -226,7 +252,12 @@ class ReportJob:
                 expected,
                 extra={"action": "report_rows_shifted", "message_id": message.id},
             )
-        if done == run.total_chunks and self._claim_assembly(run_id, message.id):
+        # Before the last chunk assembles, and after any other: a chunk discarded meanwhile means
+        # the run cannot complete, and no chunk of it may be left to notice later.
+        discarded = self._fail_if_discarded(run_id)
+        if discarded is not None:
+            detail["discarded_chunk"] = discarded.chunk
+        elif done == run.total_chunks and self._claim_assembly(run_id, message.id):
             detail["location"] = self._assemble(run_id, run.total_chunks)
         return detail
 
@@ -317,17 +348,106 @@ class ReportJob:
         if not isinstance(message, Message) or message.handler != self.route.name:
             return
         run_id = str(message.payload.get("run_id"))
+        self._fail(run_id, f"chunk {message.payload.get('chunk')} is dead: {kwargs.get('error')}")
+
+    def _fail(self, run_id: str, error: str) -> bool:
+        """Fail the run unless it already ended; True if this call failed it."""
         r = outbox_report_run
         with self.engine.begin() as conn:
-            conn.execute(
+            failed = conn.execute(
                 update(r)
-                .where(r.c.id == run_id, r.c.status.in_(("running", "assembling")))
-                .values(
-                    status="failed",
-                    finished_at=_utcnow(),
-                    error=f"chunk {message.payload.get('chunk')} is dead: {kwargs.get('error')}",
-                )
+                .where(r.c.id == run_id, r.c.status.in_(UNFINISHED))
+                .values(status="failed", finished_at=_utcnow(), error=error)
+            ).rowcount
+        return bool(failed)
+
+    # -- discarded chunks ------------------------------------------------------------------
+
+    def _fail_if_discarded(self, run_id: str) -> DiscardedChunk | None:
+        """Fail the run if an operator discarded one of its chunks; returns the first such chunk.
+
+        A discarded chunk is a chunk finished without output, as a dead one is:
+        the run can never have all its parts, so it fails the same way, naming
+        the chunk and the operator's reason (unless it already ended).
+        """
+        with self.engine.connect() as conn:
+            discarded = discarded_chunks(conn, run_id, self.name)
+        if not discarded:
+            return None
+        error = _discarded_error(discarded[0])
+        if self._fail(run_id, error):
+            log.warning(
+                "report %s run %s failed: %s",
+                self.name,
+                run_id,
+                error,
+                extra={"action": "report_failed", "message_id": discarded[0].id},
             )
+        return discarded[0]
+
+    def _fail_runs_with_discarded_chunks(self) -> None:
+        """Every unfinished run of this report with a discarded chunk fails; a database error is logged."""
+        r = outbox_report_run
+        try:
+            with self.engine.connect() as conn:
+                unfinished = conn.execute(
+                    select(r.c.id).where(r.c.report == self.name, r.c.status.in_(UNFINISHED))
+                ).scalars()
+                run_ids = list(unfinished)
+            for run_id in run_ids:
+                self._fail_if_discarded(run_id)
+        except Exception as exc:
+            log.warning(
+                "report %s: could not look for discarded chunks (%s); trying again in %gs",
+                self.name,
+                first_line(exc),
+                self.discard_check_interval,
+                extra={"action": "report_check_failed"},
+            )
+
+    async def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
+        """The relay starts: fail the runs a discarded chunk left unfinished, now and periodically.
+
+        Why the job notices, rather than the discard telling it: ``outbox
+        discard`` and the dashboard run in processes that need not import the
+        application, so a callback this job registered would not be there to
+        be called, and under the operator role of docs/operations.md, which may
+        not write report runs. So ``outbox`` keeps knowing nothing of reports
+        (a discard stays one UPDATE and its history row), and the job that owns
+        the run's state finishes the run, on the relay, whose role writes runs
+        anyway. It looks in two places: each chunk, as it finishes, for
+        discarded chunks of its own run; and here, for a run with no chunk left
+        to finish (the discarded one was the last outstanding), over the
+        report's unfinished runs: once as the relay starts, so a drain or
+        ``--once`` catches up too, then every ``discard_check_interval``
+        seconds while it serves. The looks run on a thread, off the relay's
+        loop. Which messages are a run's chunks is read through
+        :func:`outbox.ops._reports.discarded_chunks`, where the dashboard's
+        reads find them too.
+        """
+        await asyncio.to_thread(self._fail_runs_with_discarded_chunks)
+        loop = asyncio.get_running_loop()
+        self._discard_checks[loop] = loop.create_task(
+            self._check_discards_periodically(), name=f"outbox-report-{self.name}-discards"
+        )
+
+    async def outbox_shutdown(self) -> None:
+        check = self._discard_checks.pop(asyncio.get_running_loop(), None)
+        if check is not None:
+            check.cancel()
+            await asyncio.gather(check, return_exceptions=True)
+
+    async def _check_discards_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.discard_check_interval)
+            await asyncio.to_thread(self._fail_runs_with_discarded_chunks)
+
+
+def _discarded_error(chunk: DiscardedChunk) -> str:
+    which = f"chunk {chunk.chunk}" if chunk.chunk is not None else f"chunk message {chunk.id}"
+    if chunk.actor is None:
+        return f"{which} was discarded"
+    return f"{which} was discarded by {chunk.actor}: {chunk.reason}"
 
 
 def _progress(row: Row[Any]) -> ReportProgress:

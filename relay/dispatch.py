@@ -65,10 +65,25 @@ async def _invoke(handler: Any, message: Message, executor: Executor, *, is_asyn
         return await handler(message)
     loop = asyncio.get_running_loop()
     context = contextvars.copy_context()
-    result = await loop.run_in_executor(executor, functools.partial(context.run, handler, message))
+    call = functools.partial(context.run, _call_plain, handler, message)
+    result = await loop.run_in_executor(executor, call)
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+def _call_plain(handler: Any, message: Message) -> Any:
+    """A plain handler's call, on its thread; what it raises travels back to the loop in a future.
+
+    An asyncio future refuses ``StopIteration``, so the attempt would never hear
+    of it and would wait out the route's timeout. It becomes a ``RuntimeError``,
+    as PEP 479 makes it in a coroutine: a plain and an async handler raising it
+    are recorded alike.
+    """
+    try:
+        return handler(message)
+    except StopIteration as exc:
+        raise RuntimeError("handler raised StopIteration") from exc
 
 
 def _describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
@@ -96,6 +111,19 @@ async def attempt(
 
     Whatever the handler raises is classified, even an exception whose own
     ``__str__`` or ``__repr__`` raises (recorded as ``<unprintable Name>``).
+    That includes ``SystemExit``, ``KeyboardInterrupt`` and any other
+    ``BaseException``: raised by a handler, they fail this attempt (retried, or
+    dead on the last one) and the relay carries on, since letting one escape
+    would end the event loop and strand every other delivery in flight. A real
+    SIGINT or SIGTERM does not arrive this way: the relay's signal handlers
+    (``run(install_signal_handlers=True)``), or ``asyncio.run`` for a first
+    Ctrl-C, make it a stop request, which cancels the task (below).
+
+    A ``CancelledError`` is the relay's only when the relay cancelled this
+    task: its shared deadline (``timed_out``: the route's timeout) or a forced
+    stop (the task's cancel count rose while the handler ran; raised on, so the
+    claimer records the cut-off). One the handler raised of its own accord (a
+    library's inner task, a cancelled future) is an ordinary failure.
     """
     message = to_message(row)
     started = utcnow()
@@ -112,6 +140,7 @@ async def attempt(
     assert task is not None
     returned: Any = None
     timed_out = False
+    cancels_on_entry = task.cancelling()
     deadline.enter(task)
     try:
         try:
@@ -119,17 +148,17 @@ async def attempt(
         finally:
             timed_out = deadline.leave(task)
     except (asyncio.CancelledError, TimeoutError) as exc:
-        if not timed_out:
-            if isinstance(exc, asyncio.CancelledError):
-                raise  # a forced stop, not the route's limit
-            # The handler's own TimeoutError (a socket, say): a plain failure.
-            outcome = "failed"
-            error_type, error = _describe(exc, redactor)
-            detail = _detail_of(exc, redactor)
-        else:
+        if timed_out:
             outcome = "timeout"
             error_type = "TimeoutError"
             error = f"handler did not finish within {route.timeout:g}s"
+        elif isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancels_on_entry:
+            raise  # a forced stop, not the route's limit
+        else:
+            # The handler's own TimeoutError (a socket, say) or CancelledError: a plain failure.
+            outcome = "failed"
+            error_type, error = _describe(exc, redactor)
+            detail = _detail_of(exc, redactor)
     except RetryLater as exc:
         outcome = "retry"
         error_type, error = _describe(exc, redactor)
@@ -143,7 +172,7 @@ async def attempt(
         outcome = "dead"
         error_type, error = _describe(exc, redactor)
         detail = _detail_of(exc, redactor)
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt too: see the docstring
         outcome = "failed"
         error_type, error = _describe(exc, redactor)
         detail = _detail_of(exc, redactor)
@@ -181,10 +210,15 @@ async def attempt(
 
 
 def _text_of(exc: BaseException) -> str:
-    """``str(exc)``, which is the exception's own code and may itself raise."""
+    """``str(exc)``, which is the exception's own code and may itself raise.
+
+    Here and in the helpers below, the relay runs the handler's code (an
+    exception's ``__str__``, a returned mapping's items), so whatever that
+    raises, ``SystemExit`` included, is caught: it must not escape the attempt.
+    """
     try:
         text = str(exc)
-    except Exception:
+    except BaseException:
         return f"<unprintable {type(exc).__name__}>"
     return text or type(exc).__name__
 
@@ -192,7 +226,7 @@ def _text_of(exc: BaseException) -> str:
 def _safe_repr(value: object) -> str:
     try:
         return repr(value)[:_ERROR_LIMIT]
-    except Exception:
+    except BaseException:
         return f"<unprintable {type(value).__name__}>"
 
 
@@ -200,7 +234,7 @@ def _redacted(data: Mapping[Any, Any], redactor: Redactor) -> dict[str, Any]:
     """A handler's mapping with secrets masked; one whose keys cannot even be printed is kept as a note."""
     try:
         return redactor.mapping(data)
-    except Exception:
+    except BaseException:
         return {"unstorable_detail": _safe_repr(data)}
 
 
@@ -222,7 +256,7 @@ def _storable_detail(detail: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return _without_nul(detail)  # type: ignore[no-any-return]
     try:
         plain = json.loads(json.dumps(detail, default=str), parse_constant=str)
-    except Exception:
+    except BaseException:
         plain = {"unstorable_detail": _safe_repr(detail)}
     cleaned: dict[str, Any] = _without_nul(plain)
     return cleaned
@@ -261,7 +295,7 @@ def _detail_of(exc: BaseException, redactor: Redactor) -> dict[str, Any] | None:
     """Handlers attach structured facts (HTTP status, SMTP code) as ``exc.detail``."""
     try:
         detail = getattr(exc, "detail", None)
-    except Exception:  # a property of the handler's own exception class
+    except BaseException:  # a property of the handler's own exception class
         return None
     if isinstance(detail, dict):
         return _redacted(detail, redactor)

@@ -56,7 +56,7 @@ class DaemonPool(Executor):
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:
+                except BaseException as exc:  # SystemExit too: the attempt records it as a failure
                     future.set_exception(exc)
             del job, future, fn, args, kwargs
             with self._lock:

@@ -53,6 +53,76 @@ def test_a_handlers_own_timeout_error_is_a_failure_not_the_relays_timeout(engine
     assert status == "dead"
 
 
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_handlers_own_cancelled_error_is_a_failure_retried_with_backoff_not_a_relay_stop(
+    engine: Engine, kind: str
+):
+    """A library's cancelled future inside the handler is its error; "Cancelled" means a relay stop."""
+    ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+    calls: list[int] = []
+
+    def give_up_once(msg):
+        calls.append(msg.attempt)
+        if msg.attempt == 1:
+            raise asyncio.CancelledError("the client's connection pool was closed")
+
+    if kind == "async":
+
+        @ob.handler("e", name="h", max_attempts=3)
+        async def handler(msg):
+            await asyncio.sleep(0)
+            give_up_once(msg)
+
+    else:
+        ob.route("e", give_up_once, name="h", max_attempts=3)
+
+    _deliver_once(engine, ob)
+    with engine.connect() as conn:
+        rows = conn.execute(select(a).order_by(a.c.id))
+        got = [(h.attempt, h.outcome, h.error_type, h.error) for h in rows]
+    assert got == [
+        (1, "failed", "asyncio.exceptions.CancelledError", "the client's connection pool was closed"),
+        (2, "delivered", None, None),
+    ]
+    assert calls == [1, 2]
+
+
+def test_a_plain_handler_raising_stop_iteration_fails_at_once_not_after_its_timeout(engine: Engine):
+    """An asyncio future cannot carry StopIteration: it is recorded as a coroutine's is, a RuntimeError."""
+    ob = Outbox()
+
+    @ob.handler("e", name="h", timeout=30, max_attempts=1)
+    def handler(msg):
+        return next(iter(()))
+
+    started = time.monotonic()
+    _deliver_once(engine, ob)
+    assert time.monotonic() - started < 15, "the attempt must not wait for the route's 30 s timeout"
+    with engine.connect() as conn:
+        got = [(h.outcome, h.error_type, h.error) for h in conn.execute(select(a))]
+    assert got == [("dead", "RuntimeError", "handler raised StopIteration")]
+
+
+class ExitsWhenPrinted(Exception):
+    """An exception whose str() ends the program: the relay prints it, so that must not end the relay."""
+
+    def __str__(self) -> str:
+        raise SystemExit("printed")
+
+
+def test_an_exception_whose_str_raises_system_exit_is_recorded_as_unprintable(engine: Engine):
+    ob = Outbox()
+
+    @ob.handler("e", name="h", max_attempts=1)
+    async def handler(msg):
+        raise ExitsWhenPrinted()
+
+    _deliver_once(engine, ob)
+    with engine.connect() as conn:
+        got = [(h.outcome, h.error_type, h.error) for h in conn.execute(select(a))]
+    assert got == [("dead", f"{__name__}.ExitsWhenPrinted", "<unprintable ExitsWhenPrinted>")]
+
+
 class Garbled(Exception):
     """An exception a library built badly: neither str() nor repr() works."""
 

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import outbox
-from outbox import Backoff, ConfigurationError, Message, Outbox, emit
+from outbox import Backoff, ConfigurationError, Message, Outbox, RetryLater, emit, ops, signals
 from outbox.integrations.report import ReportJob, ReportProgress, outbox_report_chunk, outbox_report_run
 from outbox.relay import Relay
 
@@ -56,6 +56,7 @@ def make_job(
     folder: Path,
     fail: dict[int, int] | None = None,
     before_fetch: Callable[[int], None] | None = None,
+    **options: Any,
 ) -> ReportJob:
     """The sales report; ``fail`` makes chunks raise, ``before_fetch(chunk)`` runs first in each rows()."""
     fail = fail if fail is not None else {}
@@ -78,6 +79,7 @@ def make_job(
         rows=rows,
         output_dir=folder,
         chunk_size=500,
+        **options,
     )
 
 
@@ -243,7 +245,7 @@ def test_a_chunk_whose_row_set_shifted_since_start_says_so(sales, tmp_path, capl
 class Backlog:
     """Report chunks that hold their relay slot until released, and a mail-like route beside them."""
 
-    def __init__(self, engine: Engine, folder: Path) -> None:
+    def __init__(self, engine: Engine, folder: Path, **options: Any) -> None:
         self.engine = engine
         self.lock = threading.Lock()
         self.entered = threading.Semaphore(0)
@@ -253,7 +255,7 @@ class Backlog:
         self.events: list[str] = []  # chunks returning from rows(), and the mail, in order
         self.mailed = threading.Event()
         self.ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
-        self.job = make_job(self.ob, engine, folder, before_fetch=self._hold)
+        self.job = make_job(self.ob, engine, folder, before_fetch=self._hold, **options)
         # "transactional" sorts after "reports": the alphabet gives mail no head start here.
         self.ob.route("password.reset", self._send_mail, name="reset_mail", queue="transactional", priority=0)
         self.factory = sessionmaker(engine)
@@ -369,6 +371,123 @@ def test_a_dead_chunk_fails_its_run(sales, tmp_path):
     assert failed.done_chunks <= 19 and failed.location is None
 
 
+# -- discarded chunks: the run ends, as it does for a dead chunk ---------------------------------------
+
+
+def chunk_message_id(engine: Engine, run_id: str, chunk: int) -> int:
+    m = outbox.outbox_message
+    with engine.connect() as conn:
+        return int(
+            conn.execute(select(m.c.id).where(m.c.idempotency_key == f"report:{run_id}:{chunk}")).scalar_one()
+        )
+
+
+def report_statuses(engine: Engine) -> dict[str, int]:
+    m = outbox.outbox_message
+    with engine.connect() as conn:
+        query = select(m.c.status, func.count()).where(m.c.queue == "reports").group_by(m.c.status)
+        return {status: n for status, n in conn.execute(query)}
+
+
+def discard_chunk(engine: Engine, run_id: str, chunk: int) -> None:
+    """What ``outbox discard ID`` does: the operator's own path, which knows nothing of reports."""
+    target = ops.MessageFilter(ids=[chunk_message_id(engine, run_id, chunk)])
+    assert ops.discard(engine, target, reason="the customer cancelled the export", actor="alice")
+
+
+def assert_failed_by_the_discard(engine: Engine, job: ReportJob, run_id: str, chunk: int) -> None:
+    """The run ended, and says why, wherever it is read: the dashboard's views and progress()."""
+    reason = f"chunk {chunk} was discarded by alice: the customer cancelled the export"
+    detail = ops.report_run(engine, run_id)
+    assert (detail.run.status, detail.run.error) == ("failed", reason)
+    assert detail.run.finished_at is not None and detail.run.location is None
+    (listed,) = [r for r in ops.report_runs(engine) if r.id == run_id]
+    assert (listed.status, listed.error) == ("failed", reason)
+    assert (job.progress(run_id).status, job.progress(run_id).error) == ("failed", reason)
+
+
+def test_a_chunk_discarded_while_others_deliver_fails_its_run_and_nothing_is_left_running(sales, tmp_path):
+    backlog = Backlog(sales, tmp_path)
+    relay = Relay(backlog.ob, sales, concurrency=4, queue_concurrency={"reports": 2}, poll_interval=0.05)
+    thread = serving(relay)
+    try:
+        with backlog.factory() as s, s.begin():
+            run_id = backlog.job.start(s)
+        backlog.wait_until_chunks_hold(2)  # chunks 0 and 1 run; the other 18 wait
+        discard_chunk(sales, run_id, 10)
+        backlog.release.set()
+        deadline = time.monotonic() + 30
+        while ops.report_run(sales, run_id).run.status != "failed" or report_statuses(sales).keys() & {
+            "pending",
+            "running",
+        }:
+            assert time.monotonic() < deadline, f"the run did not end: {backlog.job.progress(run_id)}"
+            time.sleep(0.02)
+    finally:
+        backlog.release.set()
+        relay.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert_failed_by_the_discard(sales, backlog.job, run_id, 10)
+    assert report_statuses(sales) == {"delivered": 19, "discarded": 1}
+    assert backlog.job.progress(run_id).done_chunks < 19, "chunks after the failure skipped their work"
+    with sales.connect() as conn:
+        details = [d for (d,) in conn.execute(select(outbox.outbox_attempt.c.detail))]
+    noticed = sorted(d["chunk"] for d in details if d.get("discarded_chunk") == 10)
+    assert noticed == [0, 1], "the chunks held while chunk 10 was discarded say why the run failed"
+    assert not list(tmp_path.glob("sales-*.csv")), "no report was assembled without chunk 10"
+
+
+@pytest.mark.parametrize("relay_kind", ["drain", "serving"])
+def test_a_run_whose_last_outstanding_chunk_is_discarded_is_failed_by_the_next_relay_to_look(
+    sales, tmp_path, relay_kind
+):
+    """No chunk of the run is left to notice the discard: the relays' own look does."""
+    engine = sales
+    ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+
+    def chunk_2_waits_an_hour(chunk: int) -> None:
+        if chunk == 2:
+            raise RetryLater("the warehouse is being rebuilt", delay=3600)
+
+    job = make_job(ob, engine, tmp_path, before_fetch=chunk_2_waits_an_hour, discard_check_interval=0.05)
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    with factory() as s, s.begin():
+        run_id = job.start(s)
+    Relay(ob, engine).run_until_idle()
+    assert (job.progress(run_id).status, job.progress(run_id).done_chunks) == ("running", 19)
+    assert report_statuses(engine) == {"delivered": 19, "pending": 1}
+
+    if relay_kind == "drain":  # outbox-relay --once, say, run after the operator's discard
+        discard_chunk(engine, run_id, 2)
+        assert Relay(ob, engine).run_until_idle().attempts == 0
+    else:  # a relay already serving, idle, when the operator discards
+        started = threading.Event()
+
+        def on_started(sender: Any, **kwargs: Any) -> None:
+            started.set()
+
+        signals.relay_started.connect(on_started, sender=ob)
+        relay = Relay(ob, engine, poll_interval=0.05)
+        thread = serving(relay)
+        try:
+            assert started.wait(30)
+            assert job.progress(run_id).status == "running"
+            discard_chunk(engine, run_id, 2)
+            deadline = time.monotonic() + 30
+            while job.progress(run_id).status != "failed":
+                assert time.monotonic() < deadline, "the serving relay never noticed the discarded chunk"
+                time.sleep(0.02)
+        finally:
+            relay.stop()
+            thread.join(30)
+            signals.relay_started.disconnect(on_started, sender=ob)
+        assert not thread.is_alive()
+    assert_failed_by_the_discard(engine, job, run_id, 2)
+    assert report_statuses(engine) == {"delivered": 19, "discarded": 1}
+
+
 def test_bad_report_configuration_fails_at_definition(engine, tmp_path):
     with pytest.raises(ConfigurationError, match="chunk_size"):
         ReportJob(
@@ -381,3 +500,6 @@ def test_bad_report_configuration_fails_at_definition(engine, tmp_path):
             output_dir=tmp_path,
             chunk_size=0,
         )
+    for interval in (0, -1, float("inf"), float("nan"), True, "10"):
+        with pytest.raises(ConfigurationError, match="discard_check_interval"):
+            make_job(Outbox(), engine, tmp_path, discard_check_interval=interval)

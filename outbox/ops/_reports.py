@@ -8,6 +8,10 @@ the report integration writes them: routed to :func:`report_handler` of the
 report's name, with the run's id at ``payload.run_id``. The handler narrows the
 search to ``ix_outbox_message_status_handler``; the payload condition is the
 one ``outbox list --where payload.run_id=...`` uses.
+
+The report integration finds a run's discarded chunks here too
+(:func:`discarded_chunks`), so how chunk messages are recognised is written
+once; it reads, and the integration alone writes the run's state.
 """
 
 from __future__ import annotations
@@ -18,18 +22,20 @@ from datetime import datetime
 from typing import Any, Final
 
 from sqlalchemy import ColumnElement, Integer, Select, String, Text, and_, column, func, or_, select, table
-from sqlalchemy.engine import Engine, Row
+from sqlalchemy.engine import Connection, Engine, Row
 
 from .._types import UTCDateTime
-from ._base import NotFound, OpsError, _has_copy, m
+from ._base import NotFound, OpsError, _has_copy, a, m
 from ._where import PayloadEquals
 
 __all__ = [
     "MAX_REPORT_RUNS",
     "DeadChunk",
+    "DiscardedChunk",
     "ReportChunk",
     "ReportRunDetail",
     "ReportRunView",
+    "discarded_chunks",
     "report_handler",
     "report_run",
     "report_runs",
@@ -107,17 +113,54 @@ class DeadChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscardedChunk:
+    """A chunk message an operator discarded, with who did it and why (its ``discarded`` history row)."""
+
+    id: int
+    chunk: int | None  # from its payload; None if the payload lacks it
+    actor: str | None  # None only if that history row is gone (purged)
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class ReportRunDetail:
     run: ReportRunView
     chunks: list[ReportChunk] = field(default_factory=list)  # by chunk number
     dead_chunks: list[DeadChunk] = field(default_factory=list)  # by message id
 
 
-def _dead_chunks_of(run_id: str, report: str) -> list[ColumnElement[bool]]:
+def _chunks_of(run_id: str, report: str, status: str) -> list[ColumnElement[bool]]:
     return [
-        m.c.status == "dead",
+        m.c.status == status,
         m.c.handler == report_handler(report),
         PayloadEquals(("run_id",), run_id).condition(),
+    ]
+
+
+def _dead_chunks_of(run_id: str, report: str) -> list[ColumnElement[bool]]:
+    return _chunks_of(run_id, report, "dead")
+
+
+def discarded_chunks(conn: Connection, run_id: str, report: str) -> list[DiscardedChunk]:
+    """The run's chunk messages an operator discarded, by message id: outputs the run will never get.
+
+    Who discarded each and why come from its latest ``discarded`` history row.
+    """
+    found = conn.execute(
+        select(m.c.id, m.c.payload).where(*_chunks_of(run_id, report, "discarded")).order_by(m.c.id)
+    ).all()
+    if not found:
+        return []
+    why = {
+        row.message_id: (row.actor, row.reason)
+        for row in conn.execute(
+            select(a.c.message_id, a.c.actor, a.c.reason)
+            .where(a.c.message_id.in_([row.id for row in found]), a.c.outcome == "discarded")
+            .order_by(a.c.id)
+        )
+    }
+    return [
+        DiscardedChunk(row.id, _chunk_number(row.payload), *why.get(row.id, (None, None))) for row in found
     ]
 
 
