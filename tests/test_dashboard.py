@@ -390,10 +390,15 @@ def test_counts_are_shared_reads_refreshed_within_their_age(seeded):
         return int(found[0].group(1)), int(found[1].group(1))
 
     with client(seeded, finished_max_age=0.3) as c:
+        read_before = time.monotonic()
         assert delivered_and_pending(c) == (2, 1)
         with seeded.maker.begin() as s:
             outbox.emit(s, "user.signed_up", {"user_id": 3}, key="signup:3")
-        assert delivered_and_pending(c)[1] == 1  # pending: the shared read, younger than a second
+        pending = delivered_and_pending(c)[1]
+        # Pending: the shared read, while it is younger than a second. A host too loaded to get
+        # here within that second has seen it expire, which the next step checks anyway.
+        if time.monotonic() - read_before < 1.0:
+            assert pending == 1
         time.sleep(1.1)
         assert delivered_and_pending(c) == (2, 2)  # older than a second: read again
         seeded.deliver("mail")
