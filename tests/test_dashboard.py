@@ -174,10 +174,34 @@ def test_a_filtered_list_is_bookmarkable(reader, seeded):
         ("before_id=" + "9" * 5000, "before_id: expected 1 to 9223372036854775807, got a 5000-digit number"),
         ("limit=0", "limit: expected 1 to 500, got 0"),
         ("since=yesterday", "since: expected an ISO date or time"),
+        ("before_id=²", "before_id: expected a whole number, got '²'"),  # isdigit() says yes, int() no
+        ("before_id=٣", "before_id: expected a whole number, got '٣'"),  # int() would read 3
+        ("limit=²", "limit: expected a whole number, got '²'"),
+        ("queue=a%00b", "queue contains a NUL character"),
+        ("where=payload.n%3D%00", "where contains a NUL character"),
+        ("where=payload.n%3D%22%5Cu0000%22", "where: the value contains a NUL character"),
+        ("where=payload.n%3D" + "9" * 500, "where: a 500-digit integer is out of range"),
+        ("where=payload.n%3D" + "9" * 5000, "where is longer than 1000 characters"),
     ],
 )
 def test_bad_filters_get_a_specific_400(reader, query, problem):
     response = reader.get("/messages?" + query)
+    assert response.status_code == 400
+    assert problem in text_of(response.text).replace("&#39;", "'")
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("/messages/²", "message id: expected a whole number, got '²'"),
+        ("/messages/٣", "message id: expected a whole number, got '٣'"),
+        ("/reports/%00", "report run id contains a NUL character"),
+        ("/reports?before=%00", "before contains a NUL character"),
+        ("/dead/count?before_id=²", "before_id: expected a whole number, got '²'"),
+    ],
+)
+def test_bad_ids_and_names_in_urls_get_a_400(reader, path, problem):
+    response = reader.get(path)
     assert response.status_code == 400
     assert problem in text_of(response.text).replace("&#39;", "'")
 
@@ -253,6 +277,70 @@ def test_bulk_actions_need_a_reason_a_selection_and_stay_under_the_cap(seeded):
         over = c.post("/dead/discard", data={"reason": "x", "scope": "filter"}, headers=SAME_SITE)
         assert over.status_code == 400 and "more than 1 messages match" in text_of(over.text)
     assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+@pytest.mark.parametrize(
+    ("path", "form", "problem"),
+    [
+        (
+            "/dead/requeue",
+            {"reason": "r", "confirm": "yes", "expected_ids": "²", "scope": "filter"},
+            "expected_ids: expected a whole number, got '²'",
+        ),
+        ("/dead/discard", {"reason": "r", "id": ["²"]}, "message id: expected a whole number, got '²'"),
+        ("/messages/²/requeue", {"reason": "r"}, "message id: expected a whole number, got '²'"),
+        ("/messages/٣/discard", {"reason": "r"}, "message id: expected a whole number, got '٣'"),
+        ("/queues/pause", {"reason": "r", "kind": "queue", "name": "bill\x00ing"}, "name contains a NUL"),
+    ],
+)
+def test_bad_action_input_gets_a_400_and_changes_nothing(operator, seeded, path, form, problem):
+    before = statuses(seeded.engine)
+    response = operator.post(path, data=form, headers=SAME_SITE)
+    assert response.status_code == 400
+    assert problem in text_of(response.text).replace("&#39;", "'")
+    assert statuses(seeded.engine) == before and ops.paused(seeded.engine) == []
+
+
+@pytest.mark.parametrize(
+    ("user", "problem"),
+    [
+        ("a" * 246, "is longer than 255 characters, the most the history records"),  # dashboard:a...a
+        ("al\x00ice", "contains a NUL character"),
+    ],
+)
+def test_an_actor_the_history_cannot_record_is_refused_before_the_action(seeded, user, problem):
+    token = "s3cret-token-0123456789"
+    dead = seeded.id("order:7")
+    before = (statuses(seeded.engine), len(history_of(seeded.engine, dead)))
+    with client(seeded, auth=token_auth(token), allow_actions=True) as c:
+        basic = "Basic " + base64.b64encode(f"{user}:{token}".encode()).decode()
+        for path, form in (
+            (f"/messages/{dead}/requeue", {"reason": "r"}),
+            (
+                "/dead/discard",
+                {"reason": "r", "id": [str(dead)], "confirm": "yes", "expected_ids": str(dead)},
+            ),
+            ("/queues/pause", {"reason": "r", "kind": "queue", "name": "billing"}),
+        ):
+            response = c.post(path, data=form, headers={**SAME_SITE, "authorization": basic})
+            assert response.status_code == 400, path
+            assert "the actor name 'dashboard:a" in text_of(response.text).replace("&#39;", "'")
+            assert problem in text_of(response.text), path
+    assert (statuses(seeded.engine), len(history_of(seeded.engine, dead))) == before
+    assert ops.paused(seeded.engine) == []
+
+
+def test_the_longest_actor_the_history_holds_is_recorded_whole(seeded):
+    token = "s3cret-token-0123456789"
+    user = "a" * 245  # "dashboard:" and the name: 255 characters, the actor column's width
+    dead = seeded.id("order:7")
+    with client(seeded, auth=token_auth(token), allow_actions=True) as c:
+        basic = "Basic " + base64.b64encode(f"{user}:{token}".encode()).decode()
+        done = c.post(
+            f"/messages/{dead}/requeue", data={"reason": "r"}, headers={**SAME_SITE, "authorization": basic}
+        )
+        assert done.status_code == 200
+    assert history_of(seeded.engine, dead)[-1].actor == f"dashboard:{user}"
 
 
 def test_pause_and_resume_record_actor_and_reason(operator, seeded):
