@@ -437,9 +437,29 @@ def test_token_auth_accepts_basic_and_bearer_and_names_the_actor(seeded):
 
 
 def test_host_header_must_be_allowed(seeded):
-    with client(seeded, allowed_hosts=["127.0.0.1", "localhost"]) as c:
+    with client(seeded, allowed_hosts=["127.0.0.1", "localhost", "OPS.example.com", "::1"]) as c:
         assert c.get("/", headers={"host": "evil.example"}).status_code == 421
         assert c.get("/", headers={"host": "localhost:8765"}).status_code == 200
+        for listed in ("ops.example.com", "Ops.Example.Com:8443", "[::1]:8765"):
+            assert c.get("/", headers={"host": listed}).status_code == 200, listed
+        for near_miss in ("sub.ops.example.com", "ops.example.com.evil.example", "ops.example", "[::2]:8765"):
+            assert c.get("/", headers={"host": near_miss}).status_code == 421, near_miss
+
+
+@pytest.mark.parametrize(
+    ("hosts", "problem"),
+    [
+        (["ops.example.com:443"], "has a port: give the host name alone"),
+        (["https://ops.example.com"], "is a URL"),
+        (["*.example.com"], "wildcards are not supported"),
+        ([""], "a host name is empty"),
+        (["ops example"], "is not a host name"),
+        ("ops.example.com", "allowed_hosts is a list of host names"),  # would be read letter by letter
+    ],
+)
+def test_allowed_hosts_no_host_header_could_match_are_refused_at_once(hosts, problem):
+    with pytest.raises(ValueError, match=problem):
+        create_app("sqlite://", allowed_hosts=hosts)
 
 
 def test_hostile_text_renders_inert(operator, seeded):
