@@ -13,6 +13,7 @@ import base64
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +31,7 @@ m = outbox.outbox_message
 seeded = test_ops_cli.seeded  # the seven messages, as the CLI tests make them
 ORIGIN = "http://testserver"
 SAME_SITE = {"origin": ORIGIN, "sec-fetch-site": "same-origin"}
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "dashboard.md"
 
 
 class Client:
@@ -92,9 +94,19 @@ def test_every_response_carries_the_security_headers(reader):
         )
         assert response.headers["x-frame-options"] == "DENY", path
         assert response.headers["x-content-type-options"] == "nosniff", path
+        assert response.headers["referrer-policy"] == "same-origin", path
         if not path.startswith("/static/"):
             assert response.headers["cache-control"] == "no-store", path
     assert reader.get("/messages/999999").status_code == 404
+
+
+def test_the_referrer_policy_keeps_own_posts_origin_real_and_is_the_one_documented(reader):
+    # Under no-referrer a browser sends "Origin: null" with the dashboard's own form posts, and one
+    # that sends no Sec-Fetch-Site would then have every action refused by the Origin check.
+    sent = reader.get("/").headers["referrer-policy"]
+    assert sent == "same-origin"
+    documented = re.findall(r"`Referrer-Policy: ([a-z-]+)`", " ".join(DOCS.read_text().split()))
+    assert documented == [sent]
 
 
 def test_pages_have_no_inline_script_or_style_and_load_nothing_from_elsewhere(reader, seeded):
