@@ -15,6 +15,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +34,7 @@ m = outbox.outbox_message
 seeded = test_ops_cli.seeded  # the seven messages, as the CLI tests make them
 ORIGIN = "http://testserver"
 SAME_SITE = {"origin": ORIGIN, "sec-fetch-site": "same-origin"}
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "dashboard.md"
 
 
 class Client:
@@ -95,9 +97,19 @@ def test_every_response_carries_the_security_headers(reader):
         )
         assert response.headers["x-frame-options"] == "DENY", path
         assert response.headers["x-content-type-options"] == "nosniff", path
+        assert response.headers["referrer-policy"] == "same-origin", path
         if not path.startswith("/static/"):
             assert response.headers["cache-control"] == "no-store", path
     assert reader.get("/messages/999999").status_code == 404
+
+
+def test_the_referrer_policy_keeps_own_posts_origin_real_and_is_the_one_documented(reader):
+    # Under no-referrer a browser sends "Origin: null" with the dashboard's own form posts, and one
+    # that sends no Sec-Fetch-Site would then have every action refused by the Origin check.
+    sent = reader.get("/").headers["referrer-policy"]
+    assert sent == "same-origin"
+    documented = re.findall(r"`Referrer-Policy: ([a-z-]+)`", " ".join(DOCS.read_text().split()))
+    assert documented == [sent]
 
 
 def test_pages_have_no_inline_script_or_style_and_load_nothing_from_elsewhere(reader, seeded):
@@ -177,10 +189,34 @@ def test_a_filtered_list_is_bookmarkable(reader, seeded):
         ("before_id=" + "9" * 5000, "before_id: expected 1 to 9223372036854775807, got a 5000-digit number"),
         ("limit=0", "limit: expected 1 to 500, got 0"),
         ("since=yesterday", "since: expected an ISO date or time"),
+        ("before_id=²", "before_id: expected a whole number, got '²'"),  # isdigit() says yes, int() no
+        ("before_id=٣", "before_id: expected a whole number, got '٣'"),  # int() would read 3
+        ("limit=²", "limit: expected a whole number, got '²'"),
+        ("queue=a%00b", "queue contains a NUL character"),
+        ("where=payload.n%3D%00", "where contains a NUL character"),
+        ("where=payload.n%3D%22%5Cu0000%22", "where: the value contains a NUL character"),
+        ("where=payload.n%3D" + "9" * 500, "where: a 500-digit integer is out of range"),
+        ("where=payload.n%3D" + "9" * 5000, "where is longer than 1000 characters"),
     ],
 )
 def test_bad_filters_get_a_specific_400(reader, query, problem):
     response = reader.get("/messages?" + query)
+    assert response.status_code == 400
+    assert problem in text_of(response.text).replace("&#39;", "'")
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [
+        ("/messages/²", "message id: expected a whole number, got '²'"),
+        ("/messages/٣", "message id: expected a whole number, got '٣'"),
+        ("/reports/%00", "report run id contains a NUL character"),
+        ("/reports?before=%00", "before contains a NUL character"),
+        ("/dead/count?before_id=²", "before_id: expected a whole number, got '²'"),
+    ],
+)
+def test_bad_ids_and_names_in_urls_get_a_400(reader, path, problem):
+    response = reader.get(path)
     assert response.status_code == 400
     assert problem in text_of(response.text).replace("&#39;", "'")
 
@@ -256,6 +292,70 @@ def test_bulk_actions_need_a_reason_a_selection_and_stay_under_the_cap(seeded):
         over = c.post("/dead/discard", data={"reason": "x", "scope": "filter"}, headers=SAME_SITE)
         assert over.status_code == 400 and "more than 1 messages match" in text_of(over.text)
     assert statuses(seeded.engine)["order:7"] == "dead"
+
+
+@pytest.mark.parametrize(
+    ("path", "form", "problem"),
+    [
+        (
+            "/dead/requeue",
+            {"reason": "r", "confirm": "yes", "expected_ids": "²", "scope": "filter"},
+            "expected_ids: expected a whole number, got '²'",
+        ),
+        ("/dead/discard", {"reason": "r", "id": ["²"]}, "message id: expected a whole number, got '²'"),
+        ("/messages/²/requeue", {"reason": "r"}, "message id: expected a whole number, got '²'"),
+        ("/messages/٣/discard", {"reason": "r"}, "message id: expected a whole number, got '٣'"),
+        ("/queues/pause", {"reason": "r", "kind": "queue", "name": "bill\x00ing"}, "name contains a NUL"),
+    ],
+)
+def test_bad_action_input_gets_a_400_and_changes_nothing(operator, seeded, path, form, problem):
+    before = statuses(seeded.engine)
+    response = operator.post(path, data=form, headers=SAME_SITE)
+    assert response.status_code == 400
+    assert problem in text_of(response.text).replace("&#39;", "'")
+    assert statuses(seeded.engine) == before and ops.paused(seeded.engine) == []
+
+
+@pytest.mark.parametrize(
+    ("user", "problem"),
+    [
+        ("a" * 246, "is longer than 255 characters, the most the history records"),  # dashboard:a...a
+        ("al\x00ice", "contains a NUL character"),
+    ],
+)
+def test_an_actor_the_history_cannot_record_is_refused_before_the_action(seeded, user, problem):
+    token = "s3cret-token-0123456789"
+    dead = seeded.id("order:7")
+    before = (statuses(seeded.engine), len(history_of(seeded.engine, dead)))
+    with client(seeded, auth=token_auth(token), allow_actions=True) as c:
+        basic = "Basic " + base64.b64encode(f"{user}:{token}".encode()).decode()
+        for path, form in (
+            (f"/messages/{dead}/requeue", {"reason": "r"}),
+            (
+                "/dead/discard",
+                {"reason": "r", "id": [str(dead)], "confirm": "yes", "expected_ids": str(dead)},
+            ),
+            ("/queues/pause", {"reason": "r", "kind": "queue", "name": "billing"}),
+        ):
+            response = c.post(path, data=form, headers={**SAME_SITE, "authorization": basic})
+            assert response.status_code == 400, path
+            assert "the actor name 'dashboard:a" in text_of(response.text).replace("&#39;", "'")
+            assert problem in text_of(response.text), path
+    assert (statuses(seeded.engine), len(history_of(seeded.engine, dead))) == before
+    assert ops.paused(seeded.engine) == []
+
+
+def test_the_longest_actor_the_history_holds_is_recorded_whole(seeded):
+    token = "s3cret-token-0123456789"
+    user = "a" * 245  # "dashboard:" and the name: 255 characters, the actor column's width
+    dead = seeded.id("order:7")
+    with client(seeded, auth=token_auth(token), allow_actions=True) as c:
+        basic = "Basic " + base64.b64encode(f"{user}:{token}".encode()).decode()
+        done = c.post(
+            f"/messages/{dead}/requeue", data={"reason": "r"}, headers={**SAME_SITE, "authorization": basic}
+        )
+        assert done.status_code == 200
+    assert history_of(seeded.engine, dead)[-1].actor == f"dashboard:{user}"
 
 
 def test_pause_and_resume_record_actor_and_reason(operator, seeded):
@@ -352,9 +452,29 @@ def test_token_auth_accepts_basic_and_bearer_and_names_the_actor(seeded):
 
 
 def test_host_header_must_be_allowed(seeded):
-    with client(seeded, allowed_hosts=["127.0.0.1", "localhost"]) as c:
+    with client(seeded, allowed_hosts=["127.0.0.1", "localhost", "OPS.example.com", "::1"]) as c:
         assert c.get("/", headers={"host": "evil.example"}).status_code == 421
         assert c.get("/", headers={"host": "localhost:8765"}).status_code == 200
+        for listed in ("ops.example.com", "Ops.Example.Com:8443", "[::1]:8765"):
+            assert c.get("/", headers={"host": listed}).status_code == 200, listed
+        for near_miss in ("sub.ops.example.com", "ops.example.com.evil.example", "ops.example", "[::2]:8765"):
+            assert c.get("/", headers={"host": near_miss}).status_code == 421, near_miss
+
+
+@pytest.mark.parametrize(
+    ("hosts", "problem"),
+    [
+        (["ops.example.com:443"], "has a port: give the host name alone"),
+        (["https://ops.example.com"], "is a URL"),
+        (["*.example.com"], "wildcards are not supported"),
+        ([""], "a host name is empty"),
+        (["ops example"], "is not a host name"),
+        ("ops.example.com", "allowed_hosts is a list of host names"),  # would be read letter by letter
+    ],
+)
+def test_allowed_hosts_no_host_header_could_match_are_refused_at_once(hosts, problem):
+    with pytest.raises(ValueError, match=problem):
+        create_app("sqlite://", allowed_hosts=hosts)
 
 
 @pytest.mark.parametrize("levels", [600, 5000])

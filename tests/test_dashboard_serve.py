@@ -7,13 +7,17 @@ EventSource gets is what these tests get.
 
 from __future__ import annotations
 
+import base64
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +28,8 @@ from test_ops_cli import assert_one_line_error, outbox_cmd, run
 
 from outbox import Outbox, emit, ops
 from outbox.dashboard import create_app
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "dashboard.md"
 
 
 def free_port() -> int:
@@ -50,11 +56,83 @@ def wait_for(url: str, timeout: float = 20.0, **kw: object) -> httpx.Response:
         (["--host", "192.168.1.5"], "reachable from other machines"),
         (["--auth-token", "short"], "--auth-token must be at least 16 characters"),
         (["--port", "70000"], "expected a port number 0 to 65535"),
+        (["--port", "²"], "expected a port number 0 to 65535, got '²'"),
+        (["--allowed-host", "ops.example.com:443"], "--allowed-host: 'ops.example.com:443' has a port"),
+        (["--allowed-host", "https://ops.example.com"], "is a URL: give the host name alone"),
+        (["--allowed-host", "*.example.com"], "wildcards are not supported"),
+        (["--allowed-host", ""], "a host name is empty"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(empty_url, args, needle):
     result = run("dashboard", *args, database_url=empty_url)
     assert_one_line_error(result, 2, needle)
+
+
+def test_a_bad_allowed_hosts_variable_is_refused_before_anything_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["OUTBOX_DASHBOARD_ALLOWED_HOSTS"] = "ops.example.com, ops.internal:8443"
+    url = f"sqlite:///{tmp_path / 'never-created.db'}"
+    result = subprocess.run(
+        outbox_cmd("dashboard", database_url=url), capture_output=True, text=True, timeout=60, env=env
+    )
+    assert_one_line_error(result, 2, "OUTBOX_DASHBOARD_ALLOWED_HOSTS: 'ops.internal:8443' has a port")
+    assert not (tmp_path / "never-created.db").exists()
+
+
+def proxy_recipe() -> tuple[list[str], str, str]:
+    """docs/dashboard.md's proxy recipe: the ``outbox dashboard`` flags, the nginx block, its server_name."""
+    section = DOCS.read_text().split("## Behind a reverse proxy", 1)[1].split("\n## ", 1)[0]
+    shell = re.search(r"```sh\n(.*?)```", section, re.S)
+    nginx = re.search(r"```nginx\n(.*?)```", section, re.S)
+    assert shell is not None and nginx is not None, "the recipe lost its command or its nginx block"
+    words = shlex.split(shell.group(1))
+    flags = words[words.index("dashboard") + 1 :]
+    server_name = re.search(r"server_name\s+([^;\s]+);", nginx.group(1))
+    assert server_name is not None
+    return flags, nginx.group(1), server_name.group(1)
+
+
+@pytest.mark.parametrize("named_by", ["flag", "variable"])
+def test_the_documented_proxy_recipe_serves_its_host_and_no_other(database_url, engine, named_by):
+    """The proxy passes the browser's Host and scheme and its own Basic login: pages, and an action, work."""
+    flags, nginx, public = proxy_recipe()
+    assert re.search(r"proxy_set_header\s+Host\s+\$host;", nginx)
+    assert re.search(r"proxy_set_header\s+X-Forwarded-Proto\s+\$scheme;", nginx)
+    assert re.search(r"proxy_pass\s+http://127\.0\.0\.1:8765;", nginx)  # the default --host and --port
+    assert "--auth-token" not in flags and "--allowed-host" in flags
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    if named_by == "variable":
+        at = flags.index("--allowed-host")
+        env["OUTBOX_DASHBOARD_ALLOWED_HOSTS"] = flags[at + 1]
+        flags = flags[:at] + flags[at + 2 :]
+    port = free_port()
+    proc = subprocess.Popen(
+        outbox_cmd("dashboard", *flags, "--port", str(port), database_url=database_url),
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    login = "Basic " + base64.b64encode(b"alice:what-the-htpasswd-checked").decode()
+    proxied = {"host": public, "x-forwarded-proto": "https", "authorization": login}
+    try:
+        page = wait_for(base + "/", headers=proxied)
+        assert page.status_code == 200 and "Overview" in page.text
+        for other in ("evil.example", f"sub.{public}", f"{public}.evil.example"):
+            assert httpx.get(base + "/", headers={**proxied, "host": other}).status_code == 421, other
+        # A browser without Sec-Fetch-Site states only its Origin: the proxy's headers make it ours.
+        form = {"kind": "queue", "name": "billing", "reason": "vendor outage"}
+        paused = httpx.post(
+            base + "/queues/pause", data=form, headers={**proxied, "origin": f"https://{public}"}
+        )
+        assert paused.status_code == 303, paused.text
+        [pause] = ops.paused(engine)
+        assert (pause.name, pause.actor) == ("billing", "dashboard:alice")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert f"also as {public}" in err
 
 
 def test_the_command_serves_loopback_and_stops_on_ctrl_c(database_url):
@@ -80,7 +158,8 @@ def test_the_command_serves_loopback_and_stops_on_ctrl_c(database_url):
     assert f"outbox dashboard on http://127.0.0.1:{port}/ (read-only)" in err
 
 
-def test_a_token_protects_a_reachable_dashboard(database_url):
+@pytest.mark.parametrize("listed", [[], ["--allowed-host", "dash.example.com"]])
+def test_a_token_protects_a_reachable_dashboard(database_url, listed):
     port = free_port()
     token = "correct-horse-battery-staple"
     env = {**os.environ, "OUTBOX_DASHBOARD_TOKEN": token}
@@ -92,15 +171,24 @@ def test_a_token_protects_a_reachable_dashboard(database_url):
             "--port",
             str(port),
             "--allow-actions",
+            *listed,
             database_url=database_url,
         ),
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
+    base = f"http://127.0.0.1:{port}/"
     try:
-        assert wait_for(f"http://127.0.0.1:{port}/").status_code == 401
-        assert httpx.get(f"http://127.0.0.1:{port}/", auth=("me", token)).status_code == 200
+        assert wait_for(base).status_code == 401
+        assert httpx.get(base, auth=("me", token)).status_code == 200
+        # The token is the defence against rebinding; --allowed-host narrows the names all the same.
+        other = httpx.get(base, auth=("me", token), headers={"host": "evil.example"})
+        assert other.status_code == (421 if listed else 200)
+        if listed:
+            assert (
+                httpx.get(base, auth=("me", token), headers={"host": "dash.example.com"}).status_code == 200
+            )
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)

@@ -185,6 +185,21 @@ def test_purge_records_the_actor_given_or_the_login_name(seeded):
         ops.purge(seeded.engine, delivered_older_than=timedelta(days=1), actor=" ")
 
 
+def test_an_actor_longer_than_the_history_holds_is_refused_by_every_action(seeded):
+    """PostgreSQL would refuse the history row mid-action and SQLite keep it: both refuse it up front."""
+    too_long = "x" * 256
+    before = snapshot(seeded.engine)
+    for act, label in ((ops.requeue, "order:7"), (ops.discard, "order:8"), (ops.retry_now, "report:2026-10")):
+        named = ops.MessageFilter(ids=(seeded.id(label),))
+        with pytest.raises(ops.OpsError, match="the actor is longer than 255 characters"):
+            act(seeded.engine, named, reason="r", actor=too_long)
+    said = run(
+        "requeue", str(seeded.id("order:7")), "--reason", "r", "--actor", too_long, database_url=seeded.url
+    )
+    assert_one_line_error(said, 1, "the actor is longer than 255 characters; give a shorter name")
+    assert snapshot(seeded.engine) == before
+
+
 def nameless(tmp_path: Path) -> dict[str, str]:
     """An environment where the user has no name: no USER/LOGNAME, and no passwd entry for the uid.
 

@@ -355,6 +355,15 @@ def test_list_where_on_the_command_line(billing):
         ('payload.x={"a":1}', "is a JSON object"),
         ("payload.x=1e999", "is not a JSON number"),
         ("payload.x=99999999999999999999", "out of range"),
+        # Past Python's int-string limit (4,300 digits) int() raises ValueError: not a reason to compare text.
+        (
+            "payload.x=" + "9" * 5000,
+            "a 5000-digit integer is out of range: integers are compared up to 64 bits",
+        ),
+        ("payload.x=-" + "9" * 5000, "a 5000-digit integer is out of range"),
+        ('payload.x="\\u0000"', "the value contains a NUL character"),
+        ('payload.x="\\ud800"', "the value contains a lone surrogate"),
+        ("payload.a\n.b=1", "bad path"),
     ],
 )
 def test_a_bad_where_is_a_usage_error_at_parse_time(tmp_path, value, needle):

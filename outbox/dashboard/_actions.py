@@ -20,7 +20,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from .. import ops
-from ._forms import BadInput, message_id, parse_list_query, reason_and_ids
+from ._forms import BadInput, id_list, message_id, parse_list_query, reason_and_ids, text_param
 from ._security import Action, cross_site_problem
 from ._settings import render, settings_of
 
@@ -117,7 +117,7 @@ async def _bulk(request: Request, form: FormData, verb: str) -> Response:
         )
     if not ids:
         return render(request, "done.html", verb=verb, done=[], nothing=True, **context)
-    expected = [int(i) for i in str(form.get("expected_ids") or "").split(",") if i.strip().isdigit()]
+    expected = id_list("expected_ids", str(form.get("expected_ids") or ""))
     if confirmed != "yes" or sorted(expected) != ids:
         changed = confirmed == "yes"
         return render(request, "confirm.html", ids=ids, changed=changed, **context)
@@ -146,7 +146,7 @@ async def discard_many(request: Request, form: FormData) -> Response:
 
 def _target(form: FormData) -> dict[str, str]:
     kind = form.get("kind")
-    name = str(form.get("name") or "").strip()
+    name = text_param("name", str(form.get("name") or "").strip())
     if kind not in ("queue", "handler"):
         raise BadInput("kind: queue or handler")
     if not name:

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from .._hosts import host_name
 from .._urls import sync_engine
 from . import _actions, _events, _live, _pages
 from ._format import FILTERS
@@ -47,7 +48,8 @@ def create_app(
     and field names masked wherever a payload or header is shown, on top of
     the field names masked always (password, token, secret...).
     ``allowed_hosts`` limits the ``Host`` header (against DNS rebinding; set it
-    when the app has no auth). ``trusted_origins`` are extra origins allowed to
+    when the app has no auth): names or IP addresses, matched exactly, on any
+    port. ``trusted_origins`` are extra origins allowed to
     post (a proxy that rewrites ``Host``). ``count_cap`` bounds list counts,
     ``bulk_cap`` how many messages one bulk action may touch. Delivered and
     discarded totals (a full count) are refreshed in the background at most
@@ -59,6 +61,7 @@ def create_app(
     for name, seconds in (("poll_interval", poll_interval), ("finished_max_age", finished_max_age)):
         if seconds <= 0:
             raise ValueError(f"{name} must be positive, got {seconds}")
+    hosts = None if allowed_hosts is None else _checked_hosts(allowed_hosts)
     sync = sync_engine(engine)
     unfinished = unfinished_counts(sync, max_age=1.0)
     templates = Environment(
@@ -92,11 +95,21 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(SecurityHeaders, allowed_hosts=allowed_hosts)],
+        middleware=[Middleware(SecurityHeaders, allowed_hosts=hosts)],
         exception_handlers={404: _not_found, 405: _not_allowed},
     )
     app.state.outbox = settings
     return app
+
+
+def _checked_hosts(allowed_hosts: Sequence[str]) -> list[str]:
+    """Each name as a Host header would carry it; one that no header could match is a mistake, said now."""
+    if isinstance(allowed_hosts, str):  # a lone name would be read letter by letter
+        raise ValueError(f"allowed_hosts is a list of host names: allowed_hosts=[{allowed_hosts!r}]")
+    try:
+        return [host_name(name) for name in allowed_hosts]
+    except ValueError as exc:
+        raise ValueError(f"allowed_hosts: {exc}") from None
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -7,6 +7,7 @@ and a bookmark is a saved query.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,7 +20,16 @@ from .. import ops
 from .._tables import MESSAGE_STATUSES
 from ..ops._base import MAX_ID, utc_time
 
-__all__ = ["FILTER_FIELDS", "BadInput", "ListQuery", "message_id", "parse_list_query", "reason_and_ids"]
+__all__ = [
+    "FILTER_FIELDS",
+    "BadInput",
+    "ListQuery",
+    "id_list",
+    "message_id",
+    "parse_list_query",
+    "reason_and_ids",
+    "text_param",
+]
 
 #: Query parameter, label: the list filters, in the order the form shows them.
 FILTER_FIELDS: tuple[tuple[str, str], ...] = (
@@ -36,6 +46,8 @@ FILTER_FIELDS: tuple[tuple[str, str], ...] = (
 )
 _TEXT_FIELDS = ("queue", "handler", "event_type", "aggregate_type", "aggregate_id", "key", "group_key")
 MAX_TEXT = 1000
+#: ASCII digits only: ``str.isdigit`` and ``int`` also take ``²`` or ``٣``, which are no id a page links to.
+_DIGITS = re.compile(r"[0-9]+")
 
 
 class BadInput(ValueError):
@@ -65,7 +77,8 @@ class ListQuery:
         return pairs + [("where", w) for w in self.wheres]
 
 
-def _text(name: str, value: str) -> str:
+def text_param(name: str, value: str) -> str:
+    """Text that goes into a query as given; NUL is refused here, since PostgreSQL refuses it mid-query."""
     if len(value) > MAX_TEXT:
         raise BadInput(f"{name} is longer than {MAX_TEXT} characters")
     if "\x00" in value:
@@ -83,12 +96,12 @@ def _time(name: str, value: str) -> datetime:
 
 
 def whole(name: str, value: str, *, low: int = 1, high: int = MAX_ID) -> int:
-    text = value.strip()
-    if not text.isdigit():
-        raise BadInput(f"{name}: expected a whole number, got {value!r}")
-    if len(text.lstrip("0")) > len(str(high)):  # before int(): 5,000 digits would hit Python's own limit
-        raise BadInput(f"{name}: expected {low} to {high}, got a {len(text)}-digit number")
-    number = int(text)
+    digits = value.strip()
+    if not _DIGITS.fullmatch(digits):
+        raise BadInput(f"{name}: expected a whole number, got {value[:40]!r}")
+    if len(digits.lstrip("0")) > len(str(high)):  # before int(): 5,000 digits would hit Python's own limit
+        raise BadInput(f"{name}: expected {low} to {high}, got a {len(digits)}-digit number")
+    number = int(digits)
     if not low <= number <= high:
         raise BadInput(f"{name}: expected {low} to {high}, got {number}")
     return number
@@ -96,6 +109,11 @@ def whole(name: str, value: str, *, low: int = 1, high: int = MAX_ID) -> int:
 
 def message_id(value: str) -> int:
     return whole("message id", value)
+
+
+def id_list(name: str, value: str) -> list[int]:
+    """Comma-separated message ids, as a confirmation page writes them; empty items are skipped."""
+    return [whole(name, item) for item in value.split(",") if item.strip()]
 
 
 def parse_list_query(
@@ -109,8 +127,8 @@ def parse_list_query(
         values["status"] = status
     if values["status"] and values["status"] not in MESSAGE_STATUSES:
         raise BadInput(f"status: one of {', '.join(MESSAGE_STATUSES)}, got {values['status']!r}")
-    texts = {name: _text(name, values[name]) or None for name in _TEXT_FIELDS}
-    wheres = [w.strip() for w in multi if w.strip()]
+    texts = {name: text_param(name, values[name]) or None for name in _TEXT_FIELDS}
+    wheres = [text_param("where", w.strip()) for w in multi if w.strip()]
     try:
         payload = tuple(ops.parse_where(w) for w in wheres)
     except ops.WhereError as exc:
@@ -143,5 +161,5 @@ def reason_and_ids(form: Mapping[str, Any], ids: Sequence[str]) -> tuple[str, li
     reason = str(form.get("reason") or "").strip()
     if not reason:
         raise BadInput("a reason is required: it is written to each message's history")
-    _text("reason", reason)
+    text_param("reason", reason)
     return reason, [message_id(i) for i in ids]

@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from .. import ops
 from .._tables import MESSAGE_STATUSES
-from ._forms import FILTER_FIELDS, BadInput, ListQuery, message_id, parse_list_query
+from ._forms import FILTER_FIELDS, BadInput, ListQuery, message_id, parse_list_query, text_param
 from ._overview import Cached, overview_data
 from ._settings import render, settings_of
 
@@ -179,16 +179,15 @@ async def queues(request: Request) -> Response:
 
 @readable
 async def reports(request: Request) -> Response:
-    before = request.query_params.get("before") or None
+    before = text_param("before", request.query_params.get("before") or "") or None
     runs = await run_in_threadpool(ops.report_runs, settings_of(request).engine, limit=50, before=before)
     return render(request, "reports.html", page="reports", live=True, runs=runs)
 
 
 @readable
 async def report(request: Request) -> Response:
-    detail = await run_in_threadpool(
-        ops.report_run, settings_of(request).engine, request.path_params["run_id"]
-    )
+    run_id = text_param("report run id", request.path_params["run_id"])
+    detail = await run_in_threadpool(ops.report_run, settings_of(request).engine, run_id)
     return render(request, "report.html", page="reports", detail=detail)
 
 

@@ -83,7 +83,12 @@ class SecurityHeaders:
             await self.app(scope, receive, send)
             return
         if self.allowed_hosts is not None and not _host_allowed(Headers(scope=scope), self.allowed_hosts):
-            await _plain(send, 421, "This dashboard answers only to its configured host names.")
+            await _plain(
+                send,
+                421,
+                "This dashboard answers only to its configured host names"
+                " (outbox dashboard --allowed-host, or create_app(allowed_hosts=...)).",
+            )
             return
         static = str(scope.get("path", "")).startswith("/static/")
 

@@ -12,6 +12,9 @@ from sqlalchemy.engine import Engine
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
+from .._write.payload import text_problem
+from ..ops._base import ACTOR_LIMIT
+from ._forms import BadInput
 from ._live import ChangeFeed
 from ._overview import Cached
 from ._security import Action, Auth, basic_user
@@ -47,7 +50,24 @@ class Settings:
         return bool(verdict)
 
     def actor_of(self, request: Request) -> str:
-        """Who did it, as the history records it: the app's answer, else the login the request carries."""
+        """Who did it, as the history records it: the app's answer, else the login the request carries.
+
+        A name the history cannot record is refused here, before any action
+        starts: a login comes from the browser, so it may be any length or
+        hold a NUL, which PostgreSQL would only refuse mid-action.
+        """
+        actor = self._actor(request)
+        if len(actor) > ACTOR_LIMIT:
+            raise BadInput(
+                f"the actor name {actor[:40]!r}... is longer than {ACTOR_LIMIT} characters, the most the"
+                " history records: sign in with a shorter user name"
+            )
+        problem = text_problem(actor)
+        if problem:
+            raise BadInput(f"the actor name {actor[:40]!r} {problem}: sign in with another user name")
+        return actor
+
+    def _actor(self, request: Request) -> str:
         if self.actor is not None:
             return self.actor(request)
         user = request.scope.get("user")

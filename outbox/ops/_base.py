@@ -20,6 +20,8 @@ REQUEUABLE = ("dead", "discarded")
 DISCARDABLE = ("pending", "dead")
 #: The idempotency_key column's width.
 KEY_LIMIT = 255
+#: The width of every history table's actor column: a longer actor is refused, never cut.
+ACTOR_LIMIT = 255
 #: Messages a filter-based requeue or discard reads, locks and changes per transaction.
 ACTION_BATCH = 500
 
@@ -106,6 +108,8 @@ def _check_reason(reason: str, actor: str) -> None:
         raise OpsError("a reason is required: it is what the audit trail will say")
     if not isinstance(actor, str) or not actor.strip():
         raise OpsError("an actor is required")
+    if len(actor) > ACTOR_LIMIT:  # PostgreSQL would refuse the history row mid-action; SQLite would keep it
+        raise OpsError(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
 
 
 def _check_batch_size(batch_size: int) -> None:

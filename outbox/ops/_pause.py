@@ -115,11 +115,6 @@ def _target(queue: str | None, handler: str | None) -> tuple[str, str]:
         raise OpsError(str(error)) from None
 
 
-def _check_actor(actor: str) -> None:
-    if len(actor) > 255:
-        raise OpsError("the actor is longer than 255 characters; give a shorter name")
-
-
 def _column(kind: str) -> Any:
     return m.c.queue if kind == "queue" else m.c.handler
 
@@ -165,7 +160,6 @@ def pause(
     """
     kind, name = _target(queue, handler)
     _check_reason(reason, actor)
-    _check_actor(actor)
     for _ in range(2):  # a concurrent pause of the same name may win the insert: read it then
         try:
             with engine.begin() as conn:
@@ -210,7 +204,6 @@ def resume(
     """
     kind, name = _target(queue, handler)
     _check_reason(reason, actor)
-    _check_actor(actor)
     with engine.begin() as conn:
         ended = _ended(conn, kind, name, actor, reason)
         if ended is None:

@@ -30,13 +30,15 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from .._exceptions import OutboxError
 from .._tables import outbox_message
+from .._write.payload import text_problem
 
 __all__ = ["PayloadEquals", "parse_where"]
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9_]+$")
-_INDEX = re.compile(r"^[0-9]+$")
+_SEGMENT = re.compile(r"[A-Za-z0-9_]+")  # fullmatch: "$" would let a trailing newline through
+_INDEX = re.compile(r"[0-9]+")
 #: Integers both databases compare exactly (SQLite's JSON functions stop at 64 bits).
 _INT_LIMIT = 2**63
+_INT_DIGITS = len(str(_INT_LIMIT))
 
 
 class WhereError(OutboxError, ValueError):
@@ -61,7 +63,7 @@ class PayloadEquals:
                 raise WhereError(f"path segments are keys or array indexes, got {segment!r}")
             if isinstance(segment, int) and segment < 0:
                 raise WhereError(f"array indexes count from 0, got {segment}")
-            if isinstance(segment, str) and (not _SEGMENT.match(segment) or _INDEX.match(segment)):
+            if isinstance(segment, str) and (not _SEGMENT.fullmatch(segment) or _INDEX.fullmatch(segment)):
                 raise WhereError(
                     f"bad key {segment!r}: keys are letters, digits and underscores, not digits only"
                 )
@@ -75,7 +77,12 @@ class PayloadEquals:
 
 
 def _check_value(value: Any) -> None:
-    if value is None or isinstance(value, bool | str):
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, str):
+        problem = text_problem(value)
+        if problem:  # emit() stores no such string, and PostgreSQL refuses it mid-query
+            raise WhereError(f"the value {problem}, so no payload holds it")
         return
     if isinstance(value, int):
         if not -_INT_LIMIT <= value < _INT_LIMIT:
@@ -95,6 +102,20 @@ def _not_json(constant: str) -> Any:
     raise ValueError(constant)  # NaN and Infinity are Python's extension, not JSON
 
 
+def _json_int(digits: str) -> int:
+    """A JSON integer, refused before ``int()`` when it is too long to compare.
+
+    ``int()`` itself refuses more than ``sys.get_int_max_str_digits()`` digits
+    (4,300) with a ValueError, which would read the number as text: a
+    5,000-digit id would then quietly match nothing.
+    """
+    if len(digits.lstrip("-")) > _INT_DIGITS:
+        raise WhereError(
+            f"a {len(digits.lstrip('-'))}-digit integer is out of range: integers are compared up to 64 bits"
+        )
+    return int(digits)
+
+
 def parse_where(text: str) -> PayloadEquals:
     """``payload.order.id=42`` → ``PayloadEquals(("order", "id"), 42)``; anything malformed is refused."""
     target, equals, raw = text.partition("=")
@@ -105,11 +126,13 @@ def parse_where(text: str) -> PayloadEquals:
         raise WhereError(f"expected payload.PATH=VALUE (e.g. payload.order_id=42), got {text!r}")
     segments: list[str | int] = []
     for segment in path.split("."):
-        if not _SEGMENT.match(segment):
+        if not _SEGMENT.fullmatch(segment):
             raise WhereError(f"bad path {path!r}: dot-separated keys of letters, digits and underscores")
-        segments.append(int(segment) if _INDEX.match(segment) else segment)
+        segments.append(int(segment) if _INDEX.fullmatch(segment) else segment)
     try:
-        value: Any = json.loads(raw, parse_constant=_not_json)
+        value: Any = json.loads(raw, parse_constant=_not_json, parse_int=_json_int)
+    except WhereError:
+        raise
     except ValueError:
         value = raw
     if isinstance(value, dict | list):
