@@ -14,6 +14,7 @@ import errno
 import ipaddress
 import json
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -49,6 +50,7 @@ from outbox.integrations._breaker import CircuitBreaker, CircuitOpen
 from outbox.integrations._ratelimit import RateLimited, RateLimiter
 from outbox.integrations._signing import sign
 from outbox.integrations._ssrf import AddressPolicy, literal_address
+from outbox.integrations._webhook_http import parse_target
 from outbox.integrations.webhook import (
     WebhookHandler,
     WebhookVerificationError,
@@ -885,6 +887,126 @@ def test_4xx_does_not_trip_the_breaker(receiver):
         with pytest.raises(PermanentError):
             call(handler, message({"n": n}))
     assert len(receiver.requests) == 3 and handler.outbox_breaker_states() == {}
+
+
+# -- destinations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spellings", "destination"),
+    [
+        (
+            [
+                "https://example.test/hook",
+                "https://EXAMPLE.test/hook",
+                "https://example.test./hook",
+                "https://Example.Test.:443/other",
+                "http://example.test:443/",
+            ],
+            "example.test:443",
+        ),
+        (["http://example.test/", "http://example.test.:80/", "https://example.test:80/"], "example.test:80"),
+        (["https://example.test:8443/", "HTTPS://EXAMPLE.TEST.:8443/"], "example.test:8443"),
+        (
+            ["https://bücher.example/", "https://BÜCHER.example./", "https://XN--BCHER-KVA.example/"],
+            "xn--bcher-kva.example:443",
+        ),
+        (
+            ["http://[2001:DB8:0:0::1]/", "http://[2001:db8::1]:80/", "http://[2001:0db8:0000::0001]/"],
+            "[2001:db8::1]:80",
+        ),
+        (
+            [
+                "http://127.0.0.1:8080/",
+                "http://127.1:8080/",
+                "http://2130706433:8080/",
+                "http://[::ffff:127.0.0.1]:8080/",
+            ],
+            "127.0.0.1:8080",
+        ),
+    ],
+    ids=["default-https-port", "default-http-port", "other-port", "idna", "ipv6", "ipv4-spellings"],
+)
+def test_every_spelling_of_a_destination_has_one_key(spellings, destination):
+    """The breaker, rate limit and connection cap key on this; two spellings must not get two of each."""
+    assert {parse_target(url).destination for url in spellings} == {destination}
+
+
+def test_different_destinations_keep_different_keys():
+    urls = [
+        "https://example.test/",
+        "http://example.test/",  # port 80, not 443
+        "https://api.example.test/",
+        "https://example.test:8443/",
+        "https://example.test../",  # one trailing dot goes, not two
+        "https://127.0.0.2/",
+    ]
+    assert len({parse_target(url).destination for url in urls}) == len(urls)
+
+
+def test_the_host_header_keeps_the_spelling_of_the_url(receiver, fake_dns):
+    """Only the key is normalised: the receiver sees the Host its URL names."""
+    fake_dns.answers["hooks.example.test."] = [["127.0.0.1"]]
+    call(
+        WebhookHandler(f"http://HOOKS.example.test.:{receiver.port}/", SECRET, allowed_networks=LOCAL),
+        message({}),
+    )
+    (req,) = receiver.requests
+    assert req.headers["host"] == f"hooks.example.test.:{receiver.port}"
+
+
+def ipv4_spellings(port: int) -> list[str]:
+    """127.0.0.1 spelled four ways, each reached without DNS."""
+    return [
+        f"http://{host}:{port}/hook" for host in ("127.0.0.1", "127.1", "[::ffff:127.0.0.1]", "2130706433")
+    ]
+
+
+def name_spellings(port: int, fake_dns: FakeDNS) -> list[str]:
+    """One made-up name spelled three ways (case, a trailing dot), each answered 127.0.0.1."""
+    for name in ("hooks.example.test", "hooks.example.test."):
+        fake_dns.answers[name] = [["127.0.0.1"]]
+    return [
+        f"http://{host}:{port}/hook"
+        for host in ("hooks.example.test", "HOOKS.example.test.", "Hooks.Example.Test")
+    ]
+
+
+def test_spellings_of_one_destination_share_its_breaker(receiver, fake_dns):
+    receiver.default = Reply(500, body=b"down")
+    for urls, destination in (
+        (ipv4_spellings(receiver.port), f"127.0.0.1:{receiver.port}"),
+        (name_spellings(receiver.port, fake_dns), f"hooks.example.test:{receiver.port}"),
+    ):
+        receiver.requests.clear()
+        *failing, skipped = urls
+        handler = WebhookHandler(secret=SECRET, allowed_networks=LOCAL, breaker_threshold=len(failing))
+        for url in failing:  # one failure per spelling: together they reach the threshold
+            with pytest.raises(RetryLater) as raised:
+                call(handler, message({"url": url}))
+            assert raised.value.detail is not None and raised.value.detail["status"] == 500
+        with pytest.raises(
+            RetryLater, match=f"circuit breaker for {re.escape(destination)} is open"
+        ) as raised:
+            call(handler, message({"url": skipped}))
+        assert not raised.value.counts_as_attempt
+        assert raised.value.detail is not None and raised.value.detail["destination"] == destination
+        assert len(receiver.requests) == len(failing)  # the last spelling sent nothing
+        assert handler.outbox_breaker_states() == {destination: True}
+
+
+@pytest.mark.parametrize("kind", ["ipv4", "names"])
+def test_spellings_of_one_destination_share_its_rate_limit(receiver, fake_dns, kind):
+    spelled = {"ipv4": ipv4_spellings(receiver.port), "names": name_spellings(receiver.port, fake_dns)}
+    first, second, *_ = spelled[kind]
+    # One request per 5 s: the second spelling finds the slot the first one took.
+    handler = WebhookHandler(secret=SECRET, allowed_networks=LOCAL, rate_limit=0.2, timeout=2.0)
+    call(handler, message({"url": first}))
+    with pytest.raises(RetryLater, match="rate limit") as raised:
+        call(handler, message({"url": second}))
+    assert not raised.value.counts_as_attempt
+    assert raised.value.detail is not None and raised.value.detail["rate_limit"] == "deferred"
+    assert len(receiver.requests) == 1
 
 
 # -- concurrency ----------------------------------------------------------------------------
