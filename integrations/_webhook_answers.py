@@ -66,7 +66,7 @@ def classify(
                 "action": "webhook_gone",
                 "handler": message.handler,
                 "message_id": message.id,
-                "destination": target.authority,
+                "destination": target.destination,
             },
         )
         raise PermanentError(f"HTTP 410 Gone from {target.authority}: endpoint retired", detail=detail)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC
+from ipaddress import IPv6Address
 from typing import Any
 
 import httpx
@@ -36,6 +37,7 @@ __all__ = [
     "Target",
     "check_headers",
     "default_port",
+    "destination_key",
     "excerpt",
     "parse_target",
     "payload_target",
@@ -47,7 +49,7 @@ __all__ = [
 EXCERPT_CHARS = 500
 #: ``Retry-After`` values beyond this are capped, so a typo on the receiver cannot park a message for years.
 MAX_RETRY_AFTER = 24 * 3600.0
-#: HTTP clients kept per event loop (one per destination host); idle ones beyond this are closed.
+#: HTTP clients kept per event loop (one per host name); idle ones beyond this are closed.
 MAX_CLIENTS = 64
 
 _RESERVED_HEADERS = frozenset(
@@ -69,12 +71,35 @@ USER_AGENT = f"sqlalchemy-outbox/{_outbox_version} (+webhook)"
 @dataclass(frozen=True, slots=True)
 class Target:
     url: httpx.URL
-    host: str  # ASCII (IDNA) host name or IP literal, no brackets
-    authority: str  # host[:port] as the Host header carries it; also the breaker and rate-limit key
+    host: str  # ASCII (IDNA) host name or IP literal, no brackets, as the URL spells it
+    authority: str  # host[:port] as the Host header carries it
+    destination: str  # destination_key(url): what the breaker, rate limit and connection cap key on
 
     @property
     def https(self) -> bool:
         return self.url.scheme == "https"
+
+
+def destination_key(url: httpx.URL) -> str:
+    """``host:port``, spelled the same for every URL that reaches the same receiver.
+
+    The circuit breaker, the rate limit and the connection cap are per
+    destination; keyed on the URL's text, ``https://Example.com.:443/`` and
+    ``https://example.com/`` would each get the full rate, and a breaker that
+    never opens for the other spelling. The host is lower-cased, in its IDNA
+    (ASCII) form, without one trailing dot; an IP address is written
+    canonically (IPv6 compressed, in brackets; an IPv4-mapped IPv6 address
+    and a numeric shorthand such as ``127.1`` as dotted IPv4); the port is
+    always there, 80 or 443 when the URL has none.
+    """
+    host = url.raw_host.decode("ascii").lower().removesuffix(".")  # httpx gives the IDNA form
+    port = url.port or (443 if url.scheme == "https" else 80)
+    address = literal_address(host)
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if isinstance(address, IPv6Address):
+        return f"[{address.compressed}]:{port}"
+    return f"{host if address is None else address}:{port}"
 
 
 def parse_target(url: object) -> Target:
@@ -95,7 +120,7 @@ def parse_target(url: object) -> Target:
     literal = literal_address(host)
     shown = f"[{host}]" if literal is not None and literal.version == 6 else host
     authority = shown if parsed.port is None else f"{shown}:{parsed.port}"
-    return Target(url=parsed, host=host, authority=authority)
+    return Target(url=parsed, host=host, authority=authority, destination=destination_key(parsed))
 
 
 def payload_target(payload: Any) -> Target:
@@ -154,7 +179,7 @@ class _Slots:
 
 
 class HostClients:
-    """HTTP clients of one event loop, one per destination host, and each destination's connection slots.
+    """HTTP clients of one event loop, one per host name, and each destination's connection slots.
 
     Requests go to a checked IP with the host name in ``Host`` and in TLS SNI.
     httpx pools connections by IP and port, so a shared client could reuse a
@@ -180,7 +205,7 @@ class HostClients:
 
     @asynccontextmanager
     async def slot(self, destination: str, *, wait: float) -> AsyncIterator[None]:
-        """One of the ``max_connections`` requests ``destination`` may have open at once.
+        """One of the ``max_connections`` requests ``destination`` (a :func:`destination_key`) may have open.
 
         Waiters are served in arrival order; one that waited ``wait`` seconds
         raises :class:`ConnectionsBusy` instead. Without ``max_connections``

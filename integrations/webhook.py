@@ -109,14 +109,16 @@ class WebhookHandler:
     in history like the secrets. With ``url=None`` the destination comes from
     each payload, so ``headers`` are refused unless
     ``headers_to_payload_urls=True`` says every such host may see them. After
-    ``breaker_threshold`` consecutive failures a host is paused for
+    ``breaker_threshold`` consecutive failures a destination is paused for
     ``breaker_cooldown`` seconds. ``rate_limit`` caps requests per second
-    per host across every concurrent delivery of the relay, and
-    ``max_connections`` caps the requests open to one host at once (``None``:
-    as many as the relay has deliveries in flight). ``ssl_context``
-    replaces the default certificate verification (certifi's CAs), e.g. to
-    trust a private CA; certificates are always checked against the URL's
-    host name, even though the connection goes to the checked IP.
+    per destination across every concurrent delivery of the relay, and
+    ``max_connections`` caps the requests open to one destination at once
+    (``None``: as many as the relay has deliveries in flight). A destination
+    is the URL's ``host:port`` spelled one way, so ``https://Example.com.:443/``
+    and ``https://example.com/`` share one. ``ssl_context`` replaces the
+    default certificate verification (certifi's CAs), e.g. to trust a private
+    CA; certificates are always checked against the URL's host name, even
+    though the connection goes to the checked IP.
     ``send_trace_context=True`` adds the delivery's ``traceparent`` (and
     ``tracestate``) to each request, so a receiver that traces can join the
     trace; off by default, because it tells the receiver your trace ids.
@@ -216,7 +218,7 @@ class WebhookHandler:
         return found
 
     def outbox_breaker_states(self) -> dict[str, bool]:
-        """``{host: is_open}`` for the relay's ``outbox_breaker_open`` gauge."""
+        """``{destination: is_open}`` (``host:port``) for the relay's ``outbox_breaker_open`` gauge."""
         return self.breaker.states()
 
     async def outbox_shutdown(self) -> None:
@@ -253,14 +255,15 @@ class WebhookHandler:
         body = self._body(message)
         msg_id = webhook_id(message)
         try:
-            permit = self.breaker.acquire(target.authority)
+            permit = self.breaker.acquire(target.destination)
         except CircuitOpen as exc:
             raise RetryLater(
-                f"circuit breaker for {target.authority} is open; not sending",
+                f"circuit breaker for {target.destination} is open; not sending",
                 delay=exc.remaining,
                 detail={
                     "breaker": "half-open" if exc.half_open else "open",
                     "host": target.authority,
+                    "destination": target.destination,
                     "retry_in": round(exc.remaining, 3),
                 },
                 counts_as_attempt=False,
@@ -273,7 +276,7 @@ class WebhookHandler:
             await self._wait_for_rate(target)
             wait = min(MAX_CONNECTION_WAIT, self.timeout / 2)
             try:
-                async with self._pool().slot(target.authority, wait=wait):
+                async with self._pool().slot(target.destination, wait=wait):
                     try:
                         status, headers, excerpt = await self._send(target, msg_id, body)
                     except RetryLater:
@@ -281,11 +284,13 @@ class WebhookHandler:
                         raise
             except ConnectionsBusy:
                 raise RetryLater(
-                    f"all {self.max_connections} connections to {target.authority} stayed busy; not sending",
+                    f"all {self.max_connections} connections to {target.destination} stayed busy; "
+                    "not sending",
                     delay=CONNECTIONS_BUSY_RETRY,
                     detail={
                         "reason": "connections_busy",
                         "host": target.authority,
+                        "destination": target.destination,
                         "max_connections": self.max_connections,
                     },
                     counts_as_attempt=False,
@@ -318,12 +323,17 @@ class WebhookHandler:
         if self._limiters is None:
             return
         try:
-            await self._limiters[target.authority].acquire(max_wait=self.timeout)
+            await self._limiters[target.destination].acquire(max_wait=self.timeout)
         except RateLimited as exc:
             raise RetryLater(
-                f"rate limit for {target.authority} reached; rescheduled",
+                f"rate limit for {target.destination} reached; rescheduled",
                 delay=exc.wait,
-                detail={"rate_limit": "deferred", "host": target.authority, "retry_in": round(exc.wait, 3)},
+                detail={
+                    "rate_limit": "deferred",
+                    "host": target.authority,
+                    "destination": target.destination,
+                    "retry_in": round(exc.wait, 3),
+                },
                 counts_as_attempt=False,
             ) from None
 

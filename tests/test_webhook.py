@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import email.message
+import errno
 import ipaddress
 import json
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -47,7 +49,8 @@ from outbox import (
 from outbox.integrations._breaker import CircuitBreaker, CircuitOpen
 from outbox.integrations._ratelimit import RateLimited, RateLimiter
 from outbox.integrations._signing import sign
-from outbox.integrations._ssrf import AddressPolicy
+from outbox.integrations._ssrf import AddressPolicy, literal_address
+from outbox.integrations._webhook_http import parse_target
 from outbox.integrations.webhook import (
     WebhookHandler,
     WebhookVerificationError,
@@ -626,34 +629,192 @@ def test_a_name_with_any_blocked_address_is_refused(receiver, fake_dns):
     assert receiver.requests == []
 
 
-@pytest.mark.parametrize(
-    ("address", "reason"),
-    [
-        ("127.0.0.1", "loopback"),
-        ("::1", "loopback"),
-        ("::ffff:127.0.0.1", "loopback"),
-        ("10.1.2.3", "private"),
-        ("192.168.0.1", "private"),
-        ("fc00::1", "private"),
-        ("169.254.169.254", "link-local"),
-        ("fe80::1", "link-local"),
-        ("224.0.0.1", "multicast"),
-        ("ff02::1", "multicast"),
-        ("240.0.0.1", "reserved"),
-        ("0.0.0.0", "unspecified"),
-        ("::", "unspecified"),
-        ("100.64.0.1", "non-global"),
-        ("64:ff9b::a00:1", "private"),  # NAT64 of 10.0.0.1
-        ("2002:a00:1::", "private"),  # 6to4 of 10.0.0.1
-        ("93.184.215.14", None),
-        ("2606:4700::1111", None),
-    ],
-)
+#: (address, why the guard refuses it or None for a public one). Classified only, never connected to.
+ADDRESS_CLASSES = [
+    ("127.0.0.1", "loopback"),
+    ("::1", "loopback"),
+    ("::ffff:127.0.0.1", "loopback"),
+    ("10.1.2.3", "private"),
+    ("192.168.0.1", "private"),
+    ("fc00::1", "private"),
+    ("169.254.169.254", "link-local"),
+    ("fe80::1", "link-local"),
+    ("fec0::1", "site-local"),  # deprecated, still routed internally by some networks
+    ("feff:ffff::1", "site-local"),
+    ("224.0.0.1", "multicast"),
+    ("239.255.255.250", "multicast"),
+    ("ff02::1", "multicast"),
+    ("ff0e::1", "multicast"),
+    ("240.0.0.1", "reserved"),
+    ("255.255.255.255", "reserved"),
+    ("0.0.0.0", "unspecified"),
+    ("::", "unspecified"),
+    ("0.1.2.3", "private"),  # "this network", 0.0.0.0/8
+    ("100.64.0.1", "non-global"),  # shared address space (CGNAT)
+    ("100.127.255.254", "non-global"),
+    ("198.18.0.1", "private"),  # benchmarking
+    ("198.19.255.254", "private"),
+    ("192.0.0.9", "private"),  # IETF protocol assignments
+    ("192.0.2.1", "private"),  # documentation
+    ("2001:db8::1", "private"),  # documentation
+    ("3fff::1", "private"),  # documentation (RFC 9637)
+    ("3fff:fff:ffff::1", "private"),
+    ("3fff:1000::1", None),  # just past 3fff::/20
+    ("2001:2::1", "private"),  # benchmarking
+    ("100::1", "reserved"),  # discard-only
+    ("5f00::1", "reserved"),  # outside 2000::/3
+    ("::ffff:10.0.0.1", "private"),  # IPv4-mapped
+    ("::ffff:100.64.0.1", "non-global"),
+    ("::ffff:93.184.215.14", None),
+    ("::a00:1", "private"),  # IPv4-compatible 10.0.0.1
+    ("::7f00:1", "loopback"),  # IPv4-compatible 127.0.0.1
+    ("::5db8:d70e", "reserved"),  # IPv4-compatible, deprecated even for a public address
+    ("64:ff9b::a00:1", "private"),  # NAT64 of 10.0.0.1
+    ("64:ff9b::6440:1", "non-global"),  # NAT64 of 100.64.0.1
+    ("64:ff9b::5db8:d70e", None),  # NAT64 of 93.184.215.14
+    ("64:ff9b:1::a00:1", "reserved"),  # local-use NAT64 prefix
+    ("2002:a00:1::", "private"),  # 6to4 of 10.0.0.1
+    ("2002:7f00:1::1", "loopback"),  # 6to4 of 127.0.0.1
+    ("2002:5db8:d70e::1", None),  # 6to4 of 93.184.215.14
+    ("2001:0:4136:e378:8000:63bf:f5ff:fffe", "private"),  # Teredo, client 10.0.0.1
+    ("2001:0:a00:1:8000:63bf:a247:28f1", "private"),  # Teredo, server 10.0.0.1
+    ("2001:0:4136:e378:8000:63bf:a247:28f1", None),  # Teredo, public server and client
+    ("93.184.215.14", None),
+    ("2606:4700::1111", None),
+]
+
+
+@pytest.mark.parametrize(("address", "reason"), ADDRESS_CLASSES)
 def test_address_classes(address, reason):
     assert AddressPolicy().refusal(ipaddress.ip_address(address)) == reason
     if reason is not None:
         net = "::/0" if ":" in address else "0.0.0.0/0"
         assert AddressPolicy([net]).refusal(ipaddress.ip_address(address)) is None
+
+
+def test_address_classes_do_not_depend_on_the_python_version(monkeypatch):
+    """The verdicts come from the guard's own table, not ipaddress's flags, which differ by release.
+
+    Here every flag claims every address is public, as an older table would for
+    a range it does not know (3.11 says so of fec0::/10 and 3fff::/20).
+    """
+    flags = {
+        "is_private": False,
+        "is_global": True,
+        "is_reserved": False,
+        "is_loopback": False,
+        "is_link_local": False,
+        "is_site_local": False,
+        "is_multicast": False,
+        "is_unspecified": False,
+    }
+    for cls in (ipaddress.IPv4Address, ipaddress.IPv6Address):
+        for flag, value in flags.items():
+            if hasattr(cls, flag):
+                monkeypatch.setattr(cls, flag, property(lambda self, value=value: value))
+    assert not ipaddress.ip_address("10.0.0.1").is_private  # the flags really lie now
+    policy = AddressPolicy()
+    assert [(a, policy.refusal(ipaddress.ip_address(a))) for a, _ in ADDRESS_CLASSES] == ADDRESS_CLASSES
+
+
+@pytest.mark.parametrize(
+    ("host", "address"),
+    [
+        ("127.1", "127.0.0.1"),
+        ("2130706433", "127.0.0.1"),
+        ("0x7f.0.0.1", "127.0.0.1"),
+        ("0177.0.0.1", "127.0.0.1"),
+        ("10.1", "10.0.0.1"),
+        ("::FFFF:10.0.0.1", "::ffff:10.0.0.1"),
+        ("hooks.example.test", None),
+        ("cafe.be", None),  # hex digits, but a name
+        ("1.2.3.4.5", None),
+    ],
+)
+def test_numeric_shorthands_are_judged_as_the_address_they_reach(host, address):
+    """The system resolver reads ``127.1`` or ``2130706433`` as numbers; so does the guard, before DNS."""
+    expected = None if address is None else ipaddress.ip_address(address)
+    assert literal_address(host) == expected
+
+
+@pytest.fixture
+def outside_connects(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Connections attempted to an address outside 127.0.0.0/8: recorded, and stopped before the real connect.
+
+    A guard that let one through would show here, with no packet sent.
+    """
+    attempts: list[Any] = []
+    loopback = ipaddress.ip_network("127.0.0.0/8")
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def outside(address: Any) -> bool:
+        if not isinstance(address, tuple):
+            return False  # a Unix socket
+        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return ip not in loopback
+
+    def connect(sock: socket.socket, address: Any) -> None:
+        if outside(address):
+            attempts.append(address)
+            raise ConnectionRefusedError(f"the test stops a connection to {address!r}")
+        real_connect(sock, address)
+
+    def connect_ex(sock: socket.socket, address: Any) -> int:
+        if outside(address):
+            attempts.append(address)
+            return errno.ECONNREFUSED
+        return real_connect_ex(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    return attempts
+
+
+#: URLs whose host is a refused literal address, with the reason; the guard refuses them without DNS.
+REFUSED_URLS = [
+    ("http://[fec0::1]/hook", "site-local"),
+    ("https://[3fff::1]/hook", "private"),
+    ("http://[::ffff:10.0.0.1]:8080/hook", "private"),
+    ("http://[::a00:1]/hook", "private"),
+    ("http://[2002:a00:1::]/hook", "private"),
+    ("http://[64:ff9b::a00:1]/hook", "private"),
+    ("http://[2001:0:4136:e378:8000:63bf:f5ff:fffe]/hook", "private"),
+    ("http://0.1.2.3/hook", "private"),
+    ("http://100.64.0.1/hook", "non-global"),
+    ("http://198.18.0.1/hook", "private"),
+    ("http://240.0.0.1/hook", "reserved"),
+    ("http://224.0.0.1/hook", "multicast"),
+    ("http://[ff02::1]/hook", "multicast"),
+    ("http://10.1/hook", "private"),
+    ("http://0xa9fea9fe/latest/meta-data/", "link-local"),  # 169.254.169.254
+]
+
+
+@pytest.mark.parametrize(("url", "reason"), REFUSED_URLS)
+def test_a_refused_literal_address_is_refused_at_construction(url, reason):
+    with pytest.raises(ConfigurationError, match=f"{reason} address \\(SSRF guard\\)"):
+        WebhookHandler(url, SECRET)
+
+
+def test_refused_literal_addresses_are_dead_before_any_connection(engine, ob, maker, outside_connects):
+    ob.route("order.paid", WebhookHandler(secret=SECRET, allowed_networks=LOCAL), name="guarded")
+    for url, reason in REFUSED_URLS:
+        with pytest.raises(PayloadError, match=f"{reason} address \\(SSRF guard\\)"):
+            emit_one(maker, "order.paid", {"url": url})
+        store_unchecked(engine, "order.paid", {"url": url}, "guarded")
+    drain(ob, engine)
+
+    with engine.connect() as conn:
+        rows = conn.execute(select(m.c.id, m.c.payload, m.c.status, m.c.attempts)).all()
+    attempts = {h.message_id: h for h in history(engine)}
+    refused = {row.payload["url"]: (row.status, row.attempts, attempts[row.id].detail) for row in rows}
+    for url, reason in REFUSED_URLS:
+        status, tries, detail = refused[url]
+        assert (status, tries) == ("dead", 1), url
+        assert detail["reason"] == "ssrf_refused" and detail["refused"] == reason, url
+    assert outside_connects == []  # refused on the address alone: no connection was even tried
 
 
 # -- circuit breaker ------------------------------------------------------------------------
@@ -726,6 +887,126 @@ def test_4xx_does_not_trip_the_breaker(receiver):
         with pytest.raises(PermanentError):
             call(handler, message({"n": n}))
     assert len(receiver.requests) == 3 and handler.outbox_breaker_states() == {}
+
+
+# -- destinations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spellings", "destination"),
+    [
+        (
+            [
+                "https://example.test/hook",
+                "https://EXAMPLE.test/hook",
+                "https://example.test./hook",
+                "https://Example.Test.:443/other",
+                "http://example.test:443/",
+            ],
+            "example.test:443",
+        ),
+        (["http://example.test/", "http://example.test.:80/", "https://example.test:80/"], "example.test:80"),
+        (["https://example.test:8443/", "HTTPS://EXAMPLE.TEST.:8443/"], "example.test:8443"),
+        (
+            ["https://bücher.example/", "https://BÜCHER.example./", "https://XN--BCHER-KVA.example/"],
+            "xn--bcher-kva.example:443",
+        ),
+        (
+            ["http://[2001:DB8:0:0::1]/", "http://[2001:db8::1]:80/", "http://[2001:0db8:0000::0001]/"],
+            "[2001:db8::1]:80",
+        ),
+        (
+            [
+                "http://127.0.0.1:8080/",
+                "http://127.1:8080/",
+                "http://2130706433:8080/",
+                "http://[::ffff:127.0.0.1]:8080/",
+            ],
+            "127.0.0.1:8080",
+        ),
+    ],
+    ids=["default-https-port", "default-http-port", "other-port", "idna", "ipv6", "ipv4-spellings"],
+)
+def test_every_spelling_of_a_destination_has_one_key(spellings, destination):
+    """The breaker, rate limit and connection cap key on this; two spellings must not get two of each."""
+    assert {parse_target(url).destination for url in spellings} == {destination}
+
+
+def test_different_destinations_keep_different_keys():
+    urls = [
+        "https://example.test/",
+        "http://example.test/",  # port 80, not 443
+        "https://api.example.test/",
+        "https://example.test:8443/",
+        "https://example.test../",  # one trailing dot goes, not two
+        "https://127.0.0.2/",
+    ]
+    assert len({parse_target(url).destination for url in urls}) == len(urls)
+
+
+def test_the_host_header_keeps_the_spelling_of_the_url(receiver, fake_dns):
+    """Only the key is normalised: the receiver sees the Host its URL names."""
+    fake_dns.answers["hooks.example.test."] = [["127.0.0.1"]]
+    call(
+        WebhookHandler(f"http://HOOKS.example.test.:{receiver.port}/", SECRET, allowed_networks=LOCAL),
+        message({}),
+    )
+    (req,) = receiver.requests
+    assert req.headers["host"] == f"hooks.example.test.:{receiver.port}"
+
+
+def ipv4_spellings(port: int) -> list[str]:
+    """127.0.0.1 spelled four ways, each reached without DNS."""
+    return [
+        f"http://{host}:{port}/hook" for host in ("127.0.0.1", "127.1", "[::ffff:127.0.0.1]", "2130706433")
+    ]
+
+
+def name_spellings(port: int, fake_dns: FakeDNS) -> list[str]:
+    """One made-up name spelled three ways (case, a trailing dot), each answered 127.0.0.1."""
+    for name in ("hooks.example.test", "hooks.example.test."):
+        fake_dns.answers[name] = [["127.0.0.1"]]
+    return [
+        f"http://{host}:{port}/hook"
+        for host in ("hooks.example.test", "HOOKS.example.test.", "Hooks.Example.Test")
+    ]
+
+
+def test_spellings_of_one_destination_share_its_breaker(receiver, fake_dns):
+    receiver.default = Reply(500, body=b"down")
+    for urls, destination in (
+        (ipv4_spellings(receiver.port), f"127.0.0.1:{receiver.port}"),
+        (name_spellings(receiver.port, fake_dns), f"hooks.example.test:{receiver.port}"),
+    ):
+        receiver.requests.clear()
+        *failing, skipped = urls
+        handler = WebhookHandler(secret=SECRET, allowed_networks=LOCAL, breaker_threshold=len(failing))
+        for url in failing:  # one failure per spelling: together they reach the threshold
+            with pytest.raises(RetryLater) as raised:
+                call(handler, message({"url": url}))
+            assert raised.value.detail is not None and raised.value.detail["status"] == 500
+        with pytest.raises(
+            RetryLater, match=f"circuit breaker for {re.escape(destination)} is open"
+        ) as raised:
+            call(handler, message({"url": skipped}))
+        assert not raised.value.counts_as_attempt
+        assert raised.value.detail is not None and raised.value.detail["destination"] == destination
+        assert len(receiver.requests) == len(failing)  # the last spelling sent nothing
+        assert handler.outbox_breaker_states() == {destination: True}
+
+
+@pytest.mark.parametrize("kind", ["ipv4", "names"])
+def test_spellings_of_one_destination_share_its_rate_limit(receiver, fake_dns, kind):
+    spelled = {"ipv4": ipv4_spellings(receiver.port), "names": name_spellings(receiver.port, fake_dns)}
+    first, second, *_ = spelled[kind]
+    # One request per 5 s: the second spelling finds the slot the first one took.
+    handler = WebhookHandler(secret=SECRET, allowed_networks=LOCAL, rate_limit=0.2, timeout=2.0)
+    call(handler, message({"url": first}))
+    with pytest.raises(RetryLater, match="rate limit") as raised:
+        call(handler, message({"url": second}))
+    assert not raised.value.counts_as_attempt
+    assert raised.value.detail is not None and raised.value.detail["rate_limit"] == "deferred"
+    assert len(receiver.requests) == 1
 
 
 # -- concurrency ----------------------------------------------------------------------------

@@ -132,12 +132,42 @@ def test_a_delivery_that_finds_every_connection_busy_is_rescheduled_without_usin
     assert busy[0].detail == {
         "reason": "connections_busy",
         "host": f"127.0.0.1:{receiver.port}",
+        "destination": f"127.0.0.1:{receiver.port}",
         "max_connections": 1,
     }
     assert len(receiver.requests) == 1  # the deferred one sent nothing
     # Waiting for a connection says nothing about the host's health: only the timeout counts,
     # and one failure of the two the breaker allows leaves it closed.
     assert handler.breaker.states() == {f"127.0.0.1:{receiver.port}": False}
+
+
+def test_spellings_of_one_host_share_its_cap(receivers):
+    """127.0.0.1 and [::ffff:127.0.0.1] are one receiver: a second spelling gets no second connection."""
+    receiver = receivers[0]
+    receiver.default = Holding(4.0)
+    # timeout=3: the first delivery holds the one connection for 3 s, the second waits 1.5 s for it
+    # (half the timeout); wide margins, so a loaded machine does not change who gets it.
+    handler = WebhookHandler(None, SECRET, allowed_networks=LOCAL, timeout=3.0, max_connections=1)
+    urls = [f"http://127.0.0.1:{receiver.port}/a", f"http://[::ffff:127.0.0.1]:{receiver.port}/b"]
+
+    async def both_at_once() -> list[Any]:
+        try:
+            return await asyncio.gather(
+                *(handler(message({"url": url}, id=n)) for n, url in enumerate(urls)), return_exceptions=True
+            )
+        finally:
+            await handler.outbox_shutdown()
+
+    results = asyncio.run(both_at_once())
+
+    busy = [
+        r
+        for r in results
+        if isinstance(r, RetryLater) and (r.detail or {}).get("reason") == "connections_busy"
+    ]
+    assert len(busy) == 1, results
+    assert busy[0].detail is not None and busy[0].detail["destination"] == f"127.0.0.1:{receiver.port}"
+    assert len(receiver.requests) == 1
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True])
