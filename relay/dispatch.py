@@ -27,7 +27,7 @@ from .clock import utcnow
 from .deadline import Deadline
 from .outcomes import Completion
 
-__all__ = ["attempt", "is_async_handler", "to_message"]
+__all__ = ["attempt", "cancelled_by_relay", "describe", "is_async_handler", "to_message"]
 
 _ERROR_LIMIT = 2000
 _NAME_LIMIT = 255  # outbox_attempt.error_type is a VARCHAR(255)
@@ -86,7 +86,21 @@ def _call_plain(handler: Any, message: Message) -> Any:
         raise RuntimeError("handler raised StopIteration") from exc
 
 
-def _describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
+def cancelled_by_relay(exc: BaseException, task: asyncio.Task[Any], cancels_on_entry: int) -> bool:
+    """Whether ``exc`` is the relay cancelling ``task``, not a ``CancelledError`` of the awaited code's own.
+
+    Every ``Task.cancel()`` (a forced stop, a caller cancelling ``serve()``,
+    ``asyncio.run``'s first Ctrl-C) raises the task's ``cancelling()`` count,
+    and the deadline undoes its own cancel before the attempt looks. A
+    ``CancelledError`` that arrives with the count where it was when the call
+    began was raised by the called code itself (a library's cancelled future, a
+    closed client's pending call): an ordinary failure of that code.
+    """
+    return isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancels_on_entry
+
+
+def describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
+    """The exception's public type name (``SystemExit``, ``outbox.RetryLater``) and its redacted text."""
     kind = type(exc)
     # The public path (outbox.RetryLater), not the private module it lives in.
     module = "outbox" if kind.__module__.startswith("outbox._") else kind.__module__
@@ -152,16 +166,16 @@ async def attempt(
             outcome = "timeout"
             error_type = "TimeoutError"
             error = f"handler did not finish within {route.timeout:g}s"
-        elif isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancels_on_entry:
+        elif cancelled_by_relay(exc, task, cancels_on_entry):
             raise  # a forced stop, not the route's limit
         else:
             # The handler's own TimeoutError (a socket, say) or CancelledError: a plain failure.
             outcome = "failed"
-            error_type, error = _describe(exc, redactor)
+            error_type, error = describe(exc, redactor)
             detail = _detail_of(exc, redactor)
     except RetryLater as exc:
         outcome = "retry"
-        error_type, error = _describe(exc, redactor)
+        error_type, error = describe(exc, redactor)
         if exc.delay is not None:
             retry_in = exc.delay
         detail = _detail_of(exc, redactor)
@@ -170,11 +184,11 @@ async def attempt(
             detail = {**(detail or {}), "counted": False}
     except PermanentError as exc:
         outcome = "dead"
-        error_type, error = _describe(exc, redactor)
+        error_type, error = describe(exc, redactor)
         detail = _detail_of(exc, redactor)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt too: see the docstring
         outcome = "failed"
-        error_type, error = _describe(exc, redactor)
+        error_type, error = describe(exc, redactor)
         detail = _detail_of(exc, redactor)
     if outcome == "delivered":
         # A handler may return facts about the delivery (HTTP status, SMTP queue id).
