@@ -2,7 +2,11 @@
 
 Knows nothing of SQL; it turns a claimed row into a :class:`~outbox.Message`,
 runs the handler, and returns a :class:`~outbox.relay.outcomes.Completion` that the
-outcome writer writes back.
+outcome writer writes back. A row whose payload or headers could not be decoded
+(``documents.py``) gets its dead outcome here too, without a handler call.
+It also says what an exception was (:func:`describe`) and whether a
+cancellation was the relay's own (:func:`cancelled_by_relay`), for the
+handlers' start and stop hooks (``hooks.py``) as for their deliveries.
 """
 
 from __future__ import annotations
@@ -25,9 +29,17 @@ from outbox._redact import Redactor
 
 from .clock import utcnow
 from .deadline import Deadline
+from .documents import Undecodable
 from .outcomes import Completion
 
-__all__ = ["attempt", "cancelled_by_relay", "describe", "is_async_handler", "to_message"]
+__all__ = [
+    "attempt",
+    "cancelled_by_relay",
+    "describe",
+    "is_async_handler",
+    "to_message",
+    "undecodable_outcome",
+]
 
 _ERROR_LIMIT = 2000
 _NAME_LIMIT = 255  # outbox_attempt.error_type is a VARCHAR(255)
@@ -37,13 +49,15 @@ MAX_RETRY_DELAY = 365 * 24 * 3600.0
 
 
 def to_message(row: Any) -> Message:
+    """The handler's view of a claimed row; an undecodable document (``documents.py``) is its reason text."""
+    headers = row.headers
     return Message(
         id=row.id,
         event_id=row.event_id,
         event_type=row.event_type,
         handler=row.handler,
         payload=row.payload,
-        headers=dict(row.headers or {}),
+        headers=dict(headers) if headers and type(headers) is not Undecodable else {},
         key=row.idempotency_key,
         group_key=row.group_key,
         attempt=row.attempts,
@@ -220,6 +234,25 @@ async def attempt(
         error=None if error is None else _storable_text(error),
         detail=_storable_detail(detail),
         refund=refund,
+    )
+
+
+def undecodable_outcome(row: Any, reason: str) -> tuple[Message, Completion]:
+    """The outcome of a row whose payload or headers cannot be decoded: dead, its handler never called.
+
+    No attempt could ever do better, so the message is not retried; the claim
+    counted the attempt, and the history row says why it went dead.
+    """
+    now = utcnow()
+    return to_message(row), Completion(
+        message_id=row.id,
+        attempt=row.attempts,
+        outcome="dead",
+        status="dead",
+        started_at=now,
+        finished_at=now,
+        error_type="UndecodableMessage",
+        error=reason,
     )
 
 
