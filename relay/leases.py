@@ -3,7 +3,10 @@
 A lease is what tells every relay that a running message is being worked on.
 The heartbeat renews it for every message this relay still holds (in flight,
 finished but not yet written, claimed and waiting to be released), so a slow
-but live delivery is never claimed twice. The recoverer finds running messages
+but live delivery is never claimed twice. It never waits for a row lock
+(``Store.extend``): the rows it renews are the ones the outcome writer
+completes on its own connection, in another order, and waiting for each
+other's rows deadlocked the two. The recoverer finds running messages
 whose lease ran out (their relay crashed, hung or lost the database) and puts
 them back, charged and recorded as ``lease_expired``: that is the only way a
 message another process left running ever moves again. One whose payload or

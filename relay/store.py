@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Row, bindparam, exists, func, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, Row, and_, any_, bindparam, exists, func, or_, select, tuple_, update
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
@@ -228,16 +228,33 @@ class Store:
     # -- leases -------------------------------------------------------------------
 
     def extend(self, ids: Iterable[int]) -> set[int]:
-        """Renew the lease on messages still being worked on; returns the ids that were still ours."""
+        """Renew the lease on messages still being worked on; returns the ids that were still ours.
+
+        On PostgreSQL a row another transaction has locked is skipped, never
+        waited for. The one holding it is nearly always this relay's own outcome
+        writer, on its own connection, finishing that very row: its batched
+        ``UPDATE`` locks rows in the order their outcomes came in, where this one
+        took them in the table's order, so each could hold a row the other
+        waited for, a deadlock the database broke by failing one of them. A
+        locked row needs no renewal meanwhile: the lease recovery skips locked
+        rows as well, so no relay can take it back while the lock lasts, and the
+        next renewal finds it finished or free. Skipped rows still count as ours
+        (the statement's snapshot says whose they are), so they are not reported
+        lost. One statement, as before: the renewal is a data-modifying CTE.
+        """
         ids = list(ids)
         if not ids:
             return set()
-        stmt = (
-            update(m)
-            .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
-            .values(locked_until=self.clock.later("lease"))
-            .returning(m.c.id)
-        )
+        ours = and_(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
+        renew = update(m).values(locked_until=self.clock.later("lease")).returning(m.c.id)
+        stmt: Any
+        if self.clock.server_clock:
+            free = select(m.c.id).where(ours).with_for_update(skip_locked=True).scalar_subquery()
+            # ANY(ARRAY(...)), as in the claim: evaluated once, then primary-key probes.
+            renewed = renew.where(m.c.id == any_(func.array(free))).cte("renewed")
+            stmt = select(m.c.id).where(ours).add_cte(renewed)
+        else:  # SQLite has no row locks: it runs one writer at a time
+            stmt = renew.where(ours)
         with self.engine.begin() as conn:
             return set(conn.execute(stmt, {"lease": self.clock.bind_later(self.lease)}).scalars())
 
