@@ -6,6 +6,10 @@ which were claimed but never started. A delivery slot stays taken until the
 outcome is written (the writer's count is part of :meth:`Claimer.free`), so a
 database that falls behind makes the relay claim less instead of piling up
 results in memory.
+
+A claimed row whose payload or headers could not be decoded
+(``documents.py``) is never given to its handler: its delivery task hands the
+writer a dead outcome with the reason at once.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from .claim_position import ClaimPositions, Position
 from .clock import utcnow
 from .db import LoopConnection
 from .deadline import Deadline
-from .dispatch import attempt, to_message
+from .dispatch import attempt, to_message, undecodable_outcome
+from .documents import undecodable
 from .outcomes import Completion
 from .run_context import RunContext, log
 from .threads import DaemonPool
@@ -220,6 +225,11 @@ class Claimer:
                 return  # stays unstarted: the shutdown releases it
             self._unstarted.pop((row.id, row.attempts), None)
             route = rt.routes[row.handler]
+            unusable = undecodable(row)
+            if unusable is not None:  # never the handler's to see: dead, with the reason
+                deadline.skip()
+                self._writer.add(*undecodable_outcome(row, unusable))
+                return
             try:
                 with rt.tracing.process(queue, row) as traced:  # current while the handler runs
                     message, completion = await attempt(

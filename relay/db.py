@@ -6,12 +6,15 @@ notifications with a timeout, checks the socket with a query when nothing
 arrived, and on any error reconnects with capped backoff. After every
 (re)LISTEN it asks the relay for a catch-up claim, because anything committed
 while it was not listening sent its NOTIFY to nobody.
+
+The relay's own claim and write connections (:class:`LoopConnection`) decode
+JSON with ``documents.load_document``, which never raises on a document it
+cannot decode.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +24,8 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox._first_line import first_line
 from outbox._urls import sync_engine
+
+from .documents import load_document
 
 __all__ = ["CHANNEL", "Listener", "LoopConnection", "make_engine", "supports_listen"]
 
@@ -86,18 +91,6 @@ async def _connect(engine: Engine, application_name: str, **options: Any) -> Any
 #: switches on by cost estimate alone, would cost more than running them.
 SHORT_STATEMENTS = "SET jit = off"
 
-_JSON = json.JSONDecoder()
-
-
-def _load_json(data: str | bytes) -> Any:
-    """A json/jsonb value as psycopg hands it over: UTF-8 text, decoded without ``json.loads``'s sniffing.
-
-    ``json.loads`` on bytes first guesses their encoding (UTF-16? UTF-32?) in
-    Python; every claimed message has a payload to decode, so the guess was a
-    measurable part of the claim.
-    """
-    return _JSON.decode(data if isinstance(data, str) else data.decode())
-
 
 class LoopConnection:
     """An autocommit psycopg connection used from the event loop itself, for the hot path.
@@ -141,7 +134,7 @@ class LoopConnection:
                 conn = await _connect(
                     self._engine, self._application_name, autocommit=True, row_factory=namedtuple_row
                 )
-                set_json_loads(_load_json, conn)
+                set_json_loads(load_document, conn)  # never raises: see documents.py
                 if self._settings:
                     await conn.execute(self._settings)
                 self._conn = conn

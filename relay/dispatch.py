@@ -2,7 +2,11 @@
 
 Knows nothing of SQL; it turns a claimed row into a :class:`~outbox.Message`,
 runs the handler, and returns a :class:`~outbox.relay.outcomes.Completion` that the
-outcome writer writes back.
+outcome writer writes back. A row whose payload or headers could not be decoded
+(``documents.py``) gets its dead outcome here too, without a handler call.
+It also says what an exception was (:func:`describe`) and whether a
+cancellation was the relay's own (:func:`cancelled_by_relay`), for the
+handlers' start and stop hooks (``hooks.py``) as for their deliveries.
 """
 
 from __future__ import annotations
@@ -25,9 +29,17 @@ from outbox._redact import Redactor
 
 from .clock import utcnow
 from .deadline import Deadline
+from .documents import Undecodable
 from .outcomes import Completion
 
-__all__ = ["attempt", "is_async_handler", "to_message"]
+__all__ = [
+    "attempt",
+    "cancelled_by_relay",
+    "describe",
+    "is_async_handler",
+    "to_message",
+    "undecodable_outcome",
+]
 
 _ERROR_LIMIT = 2000
 _NAME_LIMIT = 255  # outbox_attempt.error_type is a VARCHAR(255)
@@ -37,13 +49,15 @@ MAX_RETRY_DELAY = 365 * 24 * 3600.0
 
 
 def to_message(row: Any) -> Message:
+    """The handler's view of a claimed row; an undecodable document (``documents.py``) is its reason text."""
+    headers = row.headers
     return Message(
         id=row.id,
         event_id=row.event_id,
         event_type=row.event_type,
         handler=row.handler,
         payload=row.payload,
-        headers=dict(row.headers or {}),
+        headers=dict(headers) if headers and type(headers) is not Undecodable else {},
         key=row.idempotency_key,
         group_key=row.group_key,
         attempt=row.attempts,
@@ -86,7 +100,21 @@ def _call_plain(handler: Any, message: Message) -> Any:
         raise RuntimeError("handler raised StopIteration") from exc
 
 
-def _describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
+def cancelled_by_relay(exc: BaseException, task: asyncio.Task[Any], cancels_on_entry: int) -> bool:
+    """Whether ``exc`` is the relay cancelling ``task``, not a ``CancelledError`` of the awaited code's own.
+
+    Every ``Task.cancel()`` (a forced stop, a caller cancelling ``serve()``,
+    ``asyncio.run``'s first Ctrl-C) raises the task's ``cancelling()`` count,
+    and the deadline undoes its own cancel before the attempt looks. A
+    ``CancelledError`` that arrives with the count where it was when the call
+    began was raised by the called code itself (a library's cancelled future, a
+    closed client's pending call): an ordinary failure of that code.
+    """
+    return isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancels_on_entry
+
+
+def describe(exc: BaseException, redactor: Redactor) -> tuple[str, str]:
+    """The exception's public type name (``SystemExit``, ``outbox.RetryLater``) and its redacted text."""
     kind = type(exc)
     # The public path (outbox.RetryLater), not the private module it lives in.
     module = "outbox" if kind.__module__.startswith("outbox._") else kind.__module__
@@ -152,16 +180,16 @@ async def attempt(
             outcome = "timeout"
             error_type = "TimeoutError"
             error = f"handler did not finish within {route.timeout:g}s"
-        elif isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancels_on_entry:
+        elif cancelled_by_relay(exc, task, cancels_on_entry):
             raise  # a forced stop, not the route's limit
         else:
             # The handler's own TimeoutError (a socket, say) or CancelledError: a plain failure.
             outcome = "failed"
-            error_type, error = _describe(exc, redactor)
+            error_type, error = describe(exc, redactor)
             detail = _detail_of(exc, redactor)
     except RetryLater as exc:
         outcome = "retry"
-        error_type, error = _describe(exc, redactor)
+        error_type, error = describe(exc, redactor)
         if exc.delay is not None:
             retry_in = exc.delay
         detail = _detail_of(exc, redactor)
@@ -170,11 +198,11 @@ async def attempt(
             detail = {**(detail or {}), "counted": False}
     except PermanentError as exc:
         outcome = "dead"
-        error_type, error = _describe(exc, redactor)
+        error_type, error = describe(exc, redactor)
         detail = _detail_of(exc, redactor)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt too: see the docstring
         outcome = "failed"
-        error_type, error = _describe(exc, redactor)
+        error_type, error = describe(exc, redactor)
         detail = _detail_of(exc, redactor)
     if outcome == "delivered":
         # A handler may return facts about the delivery (HTTP status, SMTP queue id).
@@ -206,6 +234,25 @@ async def attempt(
         error=None if error is None else _storable_text(error),
         detail=_storable_detail(detail),
         refund=refund,
+    )
+
+
+def undecodable_outcome(row: Any, reason: str) -> tuple[Message, Completion]:
+    """The outcome of a row whose payload or headers cannot be decoded: dead, its handler never called.
+
+    No attempt could ever do better, so the message is not retried; the claim
+    counted the attempt, and the history row says why it went dead.
+    """
+    now = utcnow()
+    return to_message(row), Completion(
+        message_id=row.id,
+        attempt=row.attempts,
+        outcome="dead",
+        status="dead",
+        started_at=now,
+        finished_at=now,
+        error_type="UndecodableMessage",
+        error=reason,
     )
 
 

@@ -3,10 +3,15 @@
 A lease is what tells every relay that a running message is being worked on.
 The heartbeat renews it for every message this relay still holds (in flight,
 finished but not yet written, claimed and waiting to be released), so a slow
-but live delivery is never claimed twice. The recoverer finds running messages
+but live delivery is never claimed twice. It never waits for a row lock
+(``Store.extend``): the rows it renews are the ones the outcome writer
+completes on its own connection, in another order, and waiting for each
+other's rows deadlocked the two. The recoverer finds running messages
 whose lease ran out (their relay crashed, hung or lost the database) and puts
 them back, charged and recorded as ``lease_expired``: that is the only way a
-message another process left running ever moves again.
+message another process left running ever moves again. One whose payload or
+headers cannot be decoded (``documents.py``), most likely what that process
+crashed on, goes dead rather than due again.
 """
 
 from __future__ import annotations
@@ -22,11 +27,18 @@ from outbox import signals
 from .announce import send
 from .dispatch import to_message
 from .run_context import RunContext, first_line, log
+from .store import Recovered
 
 __all__ = ["LeaseKeeper", "recover_period"]
 
 #: Seconds between warnings about pending rows for routes this relay has no handler for.
 _UNKNOWN_REPORT_EVERY = 300.0
+
+
+def _why_dead(item: Recovered) -> str:
+    if item.undecodable is not None:
+        return f"; {item.undecodable}: dead"
+    return "; it was its last attempt: dead" if item.dead else ""
 
 
 def recover_period(lease: float) -> float:
@@ -85,7 +97,7 @@ class LeaseKeeper:
                 "recovered message #%d from relay %s whose lease expired%s",
                 row.id,
                 row.locked_by,
-                "; it was its last attempt: dead" if item.dead else "",
+                _why_dead(item),
                 extra={
                     "action": "lease_expired",
                     "relay_id": rt.id,

@@ -133,10 +133,10 @@ class RelayRun:
                 send(signals.relay_stopped, settings.outbox, relay=self.sender)
 
     async def _start(self) -> None:
-        """The database check, then the handlers' ``outbox_start`` hooks (a ConfigurationError stops it)."""
+        """The database check, then the handlers' bind and start hooks (``hooks.py`` says what stops it)."""
         settings = self.settings
         await check_database(self.rt, settings.engine)
-        bind_handlers(settings.routes.values(), settings.engine)
+        bind_handlers(settings.routes.values(), settings.engine, settings.redactor)
         await start_handlers(
             settings.routes.values(),
             settings.redactor,

@@ -8,7 +8,10 @@ one table without waiting on or double-claiming each other's rows. SQLite
 ignores row locks; it serialises writers, and one relay process at a time is
 the documented limit there.
 
-Methods are synchronous and short; the relay runs them in threads.
+Methods are synchronous and short; the relay runs them in threads. The
+payload and headers its claims and recoveries read are decoded by the relay
+(``documents.py``), not by the driver, so a document that cannot be decoded
+makes its message dead instead of failing the whole claim or recovery.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Row, bindparam, exists, func, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, Row, and_, any_, bindparam, exists, func, or_, select, tuple_, update
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
@@ -29,6 +32,7 @@ from . import sql_postgresql as pg
 from .claim_position import FRONT, Position
 from .clock import StatementClock, utcnow
 from .db import LoopConnection
+from .documents import as_decoded, undecodable
 from .outcomes import Completion
 
 __all__ = ["Completion", "GroupPolicy", "Recovered", "Store"]
@@ -38,7 +42,8 @@ GroupPolicy = Literal["block", "skip"]
 m = outbox_message
 a = outbox_attempt
 
-#: Columns a claim returns: everything a handler's Message needs.
+#: Columns a claim returns: everything a handler's Message needs. The documents are decoded by
+#: the relay itself, so one that cannot be is a dead message, not a failed claim (documents.py).
 _CLAIMED = (
     m.c.id,
     m.c.event_id,
@@ -46,8 +51,8 @@ _CLAIMED = (
     m.c.handler,
     m.c.queue,
     m.c.priority,
-    m.c.payload,
-    m.c.headers,
+    as_decoded(m.c.payload),
+    as_decoded(m.c.headers),
     m.c.idempotency_key,
     m.c.group_key,
     m.c.attempts,
@@ -66,6 +71,8 @@ class Recovered:
     dead: bool
     retry_in: float
     reason: str
+    #: why its payload or headers cannot be decoded, which made it dead whatever its attempts
+    undecodable: str | None = None
 
 
 def _in_claim_order(rows: list[Any]) -> list[Any]:
@@ -122,6 +129,10 @@ class Store:
         relay still uses up attempts and eventually goes dead instead of
         crashing relays forever. Rows sorting before ``start`` are left for a
         claim from the front (``relay/claim_position.py``).
+
+        On psycopg the relay claims with :meth:`claim_on`; here the same
+        statement runs through the engine for callers outside the relay (tests,
+        scripts), and the driver decodes its documents.
         """
         if limit <= 0 or not handlers:
             return []
@@ -217,16 +228,33 @@ class Store:
     # -- leases -------------------------------------------------------------------
 
     def extend(self, ids: Iterable[int]) -> set[int]:
-        """Renew the lease on messages still being worked on; returns the ids that were still ours."""
+        """Renew the lease on messages still being worked on; returns the ids that were still ours.
+
+        On PostgreSQL a row another transaction has locked is skipped, never
+        waited for. The one holding it is nearly always this relay's own outcome
+        writer, on its own connection, finishing that very row: its batched
+        ``UPDATE`` locks rows in the order their outcomes came in, where this one
+        took them in the table's order, so each could hold a row the other
+        waited for, a deadlock the database broke by failing one of them. A
+        locked row needs no renewal meanwhile: the lease recovery skips locked
+        rows as well, so no relay can take it back while the lock lasts, and the
+        next renewal finds it finished or free. Skipped rows still count as ours
+        (the statement's snapshot says whose they are), so they are not reported
+        lost. One statement, as before: the renewal is a data-modifying CTE.
+        """
         ids = list(ids)
         if not ids:
             return set()
-        stmt = (
-            update(m)
-            .where(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
-            .values(locked_until=self.clock.later("lease"))
-            .returning(m.c.id)
-        )
+        ours = and_(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
+        renew = update(m).values(locked_until=self.clock.later("lease")).returning(m.c.id)
+        stmt: Any
+        if self.clock.server_clock:
+            free = select(m.c.id).where(ours).with_for_update(skip_locked=True).scalar_subquery()
+            # ANY(ARRAY(...)), as in the claim: evaluated once, then primary-key probes.
+            renewed = renew.where(m.c.id == any_(func.array(free))).cte("renewed")
+            stmt = select(m.c.id).where(ours).add_cte(renewed)
+        else:  # SQLite has no row locks: it runs one writer at a time
+            stmt = renew.where(ours)
         with self.engine.begin() as conn:
             return set(conn.execute(stmt, {"lease": self.clock.bind_later(self.lease)}).scalars())
 
@@ -267,8 +295,11 @@ class Store:
 
         Each recovery appends a ``lease_expired`` attempt naming the relay that
         held it; the message is retried with its route's backoff, or goes dead
-        if that was its last attempt. Returns what was recovered, with the
-        message's columns, so the relay can announce each retry or death.
+        if that was its last attempt, or if its payload or headers cannot be
+        decoded (``documents.py``: no handler could ever be given it, and a
+        relay that crashed on it before it was handled that way left it here).
+        Returns what was recovered, with the message's columns, so the relay
+        can announce each retry or death.
         """
         now = self.clock.now()
         expired = (
@@ -303,7 +334,10 @@ class Store:
             recovered = []
             for row in rows:
                 reason = f"lease held by relay {row.locked_by} expired at {row.locked_until.isoformat()}"
-                last = row.attempts >= row.max_attempts
+                unusable = undecodable(row)
+                if unusable is not None:
+                    reason = f"{reason}; {unusable}"
+                last = row.attempts >= row.max_attempts or unusable is not None
                 backoff = backoffs.get(row.handler)
                 delay = backoff.delay(max(row.attempts, 1), rng) if backoff and not last else 0.0
                 params: dict[str, Any] = {"mid": row.id, "err": reason}
@@ -314,7 +348,9 @@ class Store:
                     taken = conn.execute(to_retry, params).rowcount
                 if not taken:
                     continue
-                recovered.append(Recovered(row, dead=last, retry_in=delay, reason=reason))
+                recovered.append(
+                    Recovered(row, dead=last, retry_in=delay, reason=reason, undecodable=unusable)
+                )
                 history.append(
                     {
                         "message_id": row.id,
