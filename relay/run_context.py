@@ -67,10 +67,14 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, relay_id: 
     failures = 0
     while True:
         began = time.monotonic()
+        # The exception itself, not exc_info=True: the log call comes after the except block,
+        # where sys.exc_info() is empty again and the traceback would read "NoneType: None".
+        error: Exception | None = None
         try:
             await run()
             problem = "ended"
         except Exception as exc:
+            error = exc
             problem = f"failed ({type(exc).__name__})"
         if time.monotonic() - began > _HEALTHY_RUN:
             failures = 0
@@ -81,7 +85,7 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, relay_id: 
             name,
             problem,
             delay,
-            exc_info=problem != "ended",
+            exc_info=error,
             extra={"action": "task_restart", "task": name, "relay_id": relay_id, "failures": failures},
         )
         await asyncio.sleep(delay)
