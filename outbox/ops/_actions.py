@@ -172,7 +172,8 @@ def requeue(
                 raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
             return _requeue_rows(conn, targets, actor, reason, now, strict=True)
     for conn, batch in _filtered_batches(engine, where, REQUEUABLE, "requeue", [m], batch_size, ~_has_copy()):
-        # Read again under the lock: a concurrent requeue may have committed a copy since the query began.
+        # Read again just before acting: a concurrent requeue may have committed a copy since the
+        # query began (the database function checks once more under its lock).
         copied = _requeued_as(conn, [r.id for r in batch])
         fresh = [old for old in batch if old.id not in copied]
         pairs += _requeue_rows(conn, fresh, actor, reason, now, strict=False)
