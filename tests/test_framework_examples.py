@@ -108,7 +108,9 @@ def test_fastapi_app_delivers_through_its_embedded_relay(app_database, tmp_path)
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(lambda: b"Application startup complete" in log.read_bytes(), "uvicorn", log=log)
+        # Uvicorn runs the lifespan ("Application startup complete") before it binds the socket;
+        # "Uvicorn running on" comes once it listens.
+        _wait_for(lambda: b"Uvicorn running on" in log.read_bytes(), "uvicorn", log=log)
         signup = _post(base, "a@example.com")
         delivered = _wait_for(lambda: _deliveries(deliveries), "the delivery", log=log)
         assert delivered == [
