@@ -6,6 +6,7 @@ Nothing here measures anything; the modes do. Checking results lives in ``verify
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,8 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from sqlalchemy import case, create_engine, func, insert, select, text
@@ -138,6 +141,56 @@ def conninfo(url: URL) -> str:
 
 def engine_for(url: URL) -> Engine:
     return create_engine(url, poolclass=NullPool)
+
+
+_AUTO_EXPLAIN = (
+    "LOAD 'auto_explain'",
+    "SET auto_explain.log_min_duration = 0",
+    "SET auto_explain.log_nested_statements = on",
+    "SET auto_explain.log_analyze = on",
+    "SET auto_explain.log_buffers = on",
+    "SET auto_explain.log_level = notice",
+)
+_DURATION = re.compile(r"^duration: ([0-9.]+) ms")
+
+
+@dataclass(frozen=True, slots=True)
+class NestedPlan:
+    """A statement a database function ran, as ``auto_explain`` reported it."""
+
+    execution_ms: float
+    lines: tuple[str, ...]  # "Query Text: ..." and the plan (ANALYZE, BUFFERS)
+
+
+def function_plans(conn: psycopg.Connection[Any], sql: str, params: dict[str, Any]) -> list[NestedPlan]:
+    """The plans of the statements inside the database function ``sql`` calls.
+
+    The relay's writes are calls of PL/pgSQL functions (migration ``outbox_0015``),
+    and ``EXPLAIN`` of a call shows only a function scan. PostgreSQL's
+    ``auto_explain`` module, told to report at NOTICE for this session, gives the
+    plan of each statement the function ran, with its buffers. ``LOAD`` needs a
+    superuser; the module ships with PostgreSQL.
+    """
+    notices: list[str] = []
+
+    def keep(diagnostic: psycopg.errors.Diagnostic) -> None:
+        notices.append(diagnostic.message_primary or "")
+
+    for setting in _AUTO_EXPLAIN:
+        conn.execute(setting)
+    conn.add_notice_handler(keep)
+    try:
+        conn.execute(sql, params).fetchall()
+    finally:
+        conn.remove_notice_handler(keep)
+        conn.execute("SET auto_explain.log_min_duration = -1")
+    call = sql.strip().splitlines()[0]
+    plans = []
+    for notice in notices:
+        duration = _DURATION.match(notice)
+        if duration is not None and call not in notice:  # the call itself, when it is reported
+            plans.append(NestedPlan(float(duration.group(1)), tuple(notice.splitlines()[1:])))
+    return plans
 
 
 # -- backlogs ----------------------------------------------------------------------------------

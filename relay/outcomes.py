@@ -1,10 +1,10 @@
 """Attempt outcomes written back: the message rows moved on, one history row per attempt.
 
 A relay writes outcomes in batches, one transaction each (``writer``); this
-module holds what a batch is made of and the statements that store it, on
-either database. The hot path on psycopg sends the whole batch as one JSON
-parameter to ``sql_postgresql.COMPLETE``; everything else goes through
-SQLAlchemy here.
+module holds what a batch is made of and how it is stored. On PostgreSQL the
+whole batch goes as one JSON parameter to the database function
+``outbox_complete`` (``sql_postgresql.COMPLETE``); on SQLite the statements
+below write it.
 """
 
 from __future__ import annotations
@@ -157,7 +157,12 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
 
 
 def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]:
-    """The parameters of ``sql_postgresql.COMPLETE``: the whole batch as one JSON document."""
+    """The parameters of ``sql_postgresql.COMPLETE``: the whole batch as one JSON document.
+
+    No timestamps travel: the database stamps the history row itself, ``started_at``
+    with the claim's time and ``finished_at`` with its clock at the write. The
+    handler's own run time goes as ``duration_ms``, measured here.
+    """
     batch = [
         {
             "id": r.message_id,
@@ -168,8 +173,6 @@ def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]
             "error_type": r.error_type,
             "delay": float(r.retry_in),
             "refund": int(r.refund),
-            "started": r.started_at.isoformat(),
-            "finished": r.finished_at.isoformat(),
             "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
             "detail": r.detail,
         }

@@ -1,7 +1,11 @@
 """Every query the relay runs, for PostgreSQL and SQLite; the outcome writes are in ``outcomes``.
 
-The statements are the same on both databases; only "now" differs (``clock``:
-the server's on PostgreSQL, the relay's own UTC clock on SQLite).
+On PostgreSQL every write is a call of a database function (``sql_postgresql``,
+migration ``outbox_0015``) that runs as the tables' owner and stamps the
+history it appends with the server's clock and the relay's login: the relay's
+role needs EXECUTE on them, not UPDATE or INSERT on the outbox tables. SQLite
+has no roles; there the same changes are SQLAlchemy statements below, with the
+relay's own UTC clock as "now" (``clock``).
 
 On PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets any number of relays claim from
 one table without waiting on or double-claiming each other's rows. SQLite
@@ -16,13 +20,14 @@ makes its message dead instead of failing the whole claim or recovery.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Row, and_, any_, bindparam, exists, func, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, Row, and_, bindparam, exists, func, or_, select, tuple_, update
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
@@ -88,10 +93,11 @@ class Store:
         self.lease = timedelta(seconds=lease)
         self.group_policy = group_policy
         self.clock = StatementClock(engine)
-        # psycopg on PostgreSQL: the hot path runs hand-written SQL, one autocommit round trip each.
-        self.fast = self.clock.server_clock and engine.dialect.driver == "psycopg"
+        #: PostgreSQL: every write is one function call, in autocommit (``sql_postgresql``).
+        self.in_database = self.clock.server_clock
+        # psycopg: the hot path runs on the event loop's own connections (``LoopConnection``).
+        self.fast = self.in_database and engine.dialect.driver == "psycopg"
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._claim_sql = pg.claim_sql(block_on_dead=group_policy == "block")
 
     # -- liveness ---------------------------------------------------------------
 
@@ -131,15 +137,15 @@ class Store:
         claim from the front (``relay/claim_position.py``).
 
         On psycopg the relay claims with :meth:`claim_on`; here the same
-        statement runs through the engine for callers outside the relay (tests,
+        call runs through the engine for callers outside the relay (tests,
         scripts), and the driver decodes its documents.
         """
         if limit <= 0 or not handlers:
             return []
-        if self.fast:
+        if self.in_database:
             params = self._claim_params(queue, handlers, limit, start)
             with self._autocommit.connect() as conn:
-                fast_rows = list(conn.exec_driver_sql(self._claim_sql, params))
+                fast_rows = list(conn.exec_driver_sql(pg.CLAIM, params))
             return _in_claim_order(fast_rows)
         now = self.clock.now()
         due = (
@@ -182,6 +188,7 @@ class Store:
             "queue": queue,
             "handlers": list(handlers),
             "limit": limit,
+            "block_on_dead": self.group_policy == "block",
             **pg.claim_start(start),
         }
 
@@ -191,9 +198,7 @@ class Store:
         """:meth:`claim` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if limit <= 0 or not handlers:
             return []
-        return _in_claim_order(
-            await conn.fetch(self._claim_sql, self._claim_params(queue, handlers, limit, start))
-        )
+        return _in_claim_order(await conn.fetch(pg.CLAIM, self._claim_params(queue, handlers, limit, start)))
 
     @staticmethod
     def _not_paused(queue: str) -> list[ColumnElement[bool]]:
@@ -245,18 +250,17 @@ class Store:
         ids = list(ids)
         if not ids:
             return set()
+        if self.in_database:
+            params = {"me": self.relay_id, "ids": ids, "lease": self.lease.total_seconds()}
+            with self._autocommit.connect() as conn:
+                return set(conn.exec_driver_sql(pg.EXTEND, params).scalars())
         ours = and_(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
         renew = update(m).values(locked_until=self.clock.later("lease")).returning(m.c.id)
-        stmt: Any
-        if self.clock.server_clock:
-            free = select(m.c.id).where(ours).with_for_update(skip_locked=True).scalar_subquery()
-            # ANY(ARRAY(...)), as in the claim: evaluated once, then primary-key probes.
-            renewed = renew.where(m.c.id == any_(func.array(free))).cte("renewed")
-            stmt = select(m.c.id).where(ours).add_cte(renewed)
-        else:  # SQLite has no row locks: it runs one writer at a time
-            stmt = renew.where(ours)
+        # SQLite has no row locks: it runs one writer at a time.
         with self.engine.begin() as conn:
-            return set(conn.execute(stmt, {"lease": self.clock.bind_later(self.lease)}).scalars())
+            return set(
+                conn.execute(renew.where(ours), {"lease": self.clock.bind_later(self.lease)}).scalars()
+            )
 
     def release(self, claims: Iterable[tuple[int, int]]) -> int:
         """Hand back claims whose attempt never started: not an attempt, so the count is restored.
@@ -270,6 +274,10 @@ class Store:
         claims = list(claims)
         if not claims:
             return 0
+        if self.in_database:
+            params = {"me": self.relay_id, "ids": [i for i, _ in claims], "attempts": [a for _, a in claims]}
+            with self._autocommit.connect() as conn:
+                return int(conn.exec_driver_sql(pg.RELEASE, params).scalar_one())
         stmt = (
             update(m)
             .where(
@@ -307,8 +315,9 @@ class Store:
             .where(m.c.status == "running", m.c.locked_until < now)
             .order_by(m.c.locked_until)
             .limit(limit)
-            .with_for_update(skip_locked=True)
         )
+        if self.in_database:
+            return self._recover_in_database(expired, backoffs, rng)
         with self.engine.begin() as conn:
             rows = list(conn.execute(expired))
             if not rows:
@@ -369,10 +378,50 @@ class Store:
                 conn.execute(outcomes.history_insert(self.engine), history)
         return recovered
 
+    def _recover_in_database(
+        self, expired: Any, backoffs: dict[str, Backoff], rng: random.Random
+    ) -> list[Recovered]:
+        """PostgreSQL: read the expired leases, then let ``outbox_recover`` take back each still expired.
+
+        The read takes no lock (the relay's role may not lock what it may not
+        update); the function locks each row, skipping one another relay is
+        recovering, checks the lease is still expired and the attempt the same,
+        and writes the message and its ``lease_expired`` row itself. A message
+        on its last attempt goes dead there whatever this relay decides.
+        """
+        with self.engine.connect() as conn:
+            rows = {row.id: row for row in conn.execute(expired)}
+        if not rows:
+            return []
+        notes: dict[int, str | None] = {}
+        decisions = []
+        for row in rows.values():
+            notes[row.id] = unusable = undecodable(row)
+            last = row.attempts >= row.max_attempts or unusable is not None
+            backoff = backoffs.get(row.handler)
+            delay = backoff.delay(max(row.attempts, 1), rng) if backoff and not last else 0.0
+            dead = unusable is not None
+            decisions.append(
+                {"id": row.id, "attempt": row.attempts, "dead": dead, "delay": delay, "note": unusable}
+            )
+        params = {"me": self.relay_id, "decisions": json.dumps(decisions)}
+        with self._autocommit.connect() as conn:
+            taken = list(conn.exec_driver_sql(pg.RECOVER, params))
+        return [
+            Recovered(rows[t.message_id], t.dead, t.retry_in, t.reason, undecodable=notes[t.message_id])
+            for t in taken
+        ]
+
     # -- outcomes -----------------------------------------------------------------
 
     def complete(self, results: Sequence[Completion]) -> None:
         """Write a batch of attempt outcomes in one transaction (see :func:`outcomes.write`)."""
+        if not results:
+            return
+        if self.in_database:
+            with self._autocommit.connect() as conn:
+                conn.exec_driver_sql(pg.COMPLETE, outcomes.batch_params(self.relay_id, results))
+            return
         outcomes.write(self.engine, self.relay_id, self.clock, results)
 
     async def complete_on(self, conn: LoopConnection, results: Sequence[Completion]) -> None:

@@ -18,9 +18,11 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
+from bench.harness import function_plans
 from outbox import ConfigurationError, Outbox, PermanentError, RetryLater, emit, signals
 from outbox.relay import Relay
 from outbox.relay.claimer import Claimer
+from outbox.relay.sql_postgresql import CLAIM
 
 m = outbox.outbox_message
 a = outbox.outbox_attempt
@@ -703,21 +705,16 @@ def test_claim_query_uses_the_claim_index(pg_engine, ob):
         )
         conn.execute(text("ANALYZE outbox_message"))
     relay = Relay(ob, engine, queues=["q1"])
-    captured: list[str] = []
-    from sqlalchemy import event
-
-    @event.listens_for(engine, "before_cursor_execute", retval=True)
-    def explain(conn, cursor, statement, parameters, context, executemany):
-        if statement.lstrip().startswith("UPDATE outbox_message") and "SKIP LOCKED" in statement:
-            cursor.execute("EXPLAIN " + statement, parameters)
-            captured.extend(row[0] for row in cursor.fetchall())
-        return statement, parameters
-
+    # The claim runs inside the database function outbox_claim: auto_explain reports its plan.
+    raw = engine.raw_connection()
     try:
-        relay.store.claim("q1", ["r"], 10)
+        nested = function_plans(
+            raw.driver_connection, CLAIM, relay.store._claim_params("q1", ["r"], 10, None)
+        )
+        raw.rollback()
     finally:
-        event.remove(engine, "before_cursor_execute", explain)
-    plan = "\n".join(captured)
+        raw.close()
+    plan = "\n".join(nested[0].lines)
     assert "ix_outbox_message_claim" in plan, plan
     assert "Seq Scan on outbox_message" not in plan.replace("Seq Scan on outbox_message earlier", ""), plan
 
@@ -759,7 +756,8 @@ def test_an_outcome_the_database_refuses_does_not_stall_the_others(pg_engine, ob
     with pg_engine.connect() as conn:
         names = dict(conn.execute(select(m.c.id, m.c.handler)).all())
     got = {names[h.message_id]: (h.outcome, h.error_type, h.error, h.detail) for h in history(pg_engine)}
-    assert got["fine"] == ("delivered", None, None, None)
+    # The database stamps each row with the login that wrote it (outbox_0015).
+    assert got["fine"] == ("delivered", None, None, {"db_user": "postgres"})
     outcome, error_type, error, detail = got["poisoned"]
     assert (outcome, error_type, error) == ("dead", "UnstorableError", "the error text could not be stored")
     assert "refused" in detail["unstorable_outcome"]
