@@ -7,7 +7,7 @@ retrying as if the database were only down for a moment.
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -38,8 +38,41 @@ async def check_database(rt: RunContext, engine: Engine) -> None:
         raise DatabaseUnavailable(f"cannot reach the database at {url}: {first_line(exc)}") from None
 
 
+#: The functions a relay writes through on PostgreSQL (migration outbox_0015).
+RELAY_FUNCTIONS = (
+    "outbox_claim(text, double precision, text, text[], integer, integer, bigint, boolean)",
+    "outbox_complete(text, jsonb)",
+    "outbox_extend(text, bigint[], double precision)",
+    "outbox_release(text, bigint[], integer[])",
+    "outbox_recover(text, jsonb)",
+)
+
+_FUNCTIONS = text(
+    "SELECT f.signature, to_regprocedure(f.signature) IS NOT NULL,"
+    " coalesce(has_function_privilege(to_regprocedure(f.signature), 'EXECUTE'), false), current_user"
+    " FROM unnest(CAST(:signatures AS text[])) AS f(signature)"
+)
+
+
 def _probe(engine: Engine) -> None:
     with engine.connect() as conn:
         conn.execute(select(outbox_message.c.id).limit(0))
         # Every claim reads the pauses: a database not migrated that far fails here, in one line.
         conn.execute(select(outbox_pause.c.kind).limit(0))
+        if engine.dialect.name == "postgresql":
+            found = conn.execute(_FUNCTIONS, {"signatures": list(RELAY_FUNCTIONS)}).all()
+    if engine.dialect.name != "postgresql":
+        return
+    url = engine.url.render_as_string(hide_password=True)
+    missing = [name for name, exists, _, _ in found if not exists]
+    if missing:
+        raise DatabaseUnavailable(
+            f"the outbox tables in {url} are older than this relay (no {missing[0].split('(')[0]}): "
+            "run `outbox migrate --database-url ...` first"
+        )
+    forbidden = [name.split("(")[0] for name, _, allowed, _ in found if not allowed]
+    if forbidden:
+        raise DatabaseUnavailable(
+            f"the login {found[0][3]} may not execute {', '.join(forbidden)}: run the GRANT statements "
+            "of the least-privilege block in docs/operations.md again"
+        )

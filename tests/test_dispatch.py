@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
+from stamped import as_reported
 
 import outbox
 from outbox import Backoff, Outbox, emit
@@ -187,7 +188,7 @@ def test_an_error_detail_that_can_be_neither_serialised_nor_printed_is_stored_as
     with engine.connect() as conn:
         ((outcome, error, detail),) = conn.execute(select(a.c.outcome, a.c.error, a.c.detail)).all()
     assert (outcome, error) == ("dead", "bad gateway")
-    assert detail == {"unstorable_detail": "<unprintable dict>"}
+    assert as_reported(detail) == {"unstorable_detail": "<unprintable dict>"}
 
 
 def test_a_returned_detail_is_stored_as_plain_json_whatever_it_holds(engine: Engine):
@@ -219,7 +220,9 @@ def test_a_returned_detail_is_stored_as_plain_json_whatever_it_holds(engine: Eng
     finally:
         ob.uninstall(maker)
     with engine.connect() as conn:
-        details = conn.execute(select(a.c.detail).order_by(a.c.message_id)).scalars().all()
+        details = [
+            as_reported(d) for d in conn.execute(select(a.c.detail).order_by(a.c.message_id)).scalars()
+        ]
     assert details == [
         {"status": 202, "ok": True, "id": "abc", "none": None, "ms": 1.5, "tags": ["a", {"b": 2}]},
         {"at": str(when), "ref": str(ref), "ratio": "NaN", "text": "a\\x00b"},
@@ -299,7 +302,7 @@ def test_deeply_nested_errors_and_details_are_recorded_cut_to_what_readers_show(
             assert deepest["token"] == "***"
             deepest = deepest["next"]
         assert deepest == TOO_DEEP
-    assert history[3].detail == {"status": 200}
+    assert as_reported(history[3].detail) == {"status": 200}
 
 
 def test_one_claim_times_out_its_slow_deliveries_and_keeps_the_quick_and_stubborn_ones(engine: Engine):

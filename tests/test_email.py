@@ -22,6 +22,7 @@ from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
+from stamped import as_reported
 from tlscert import self_signed
 from unchecked import store_unchecked
 
@@ -613,7 +614,7 @@ def refused_at_delivery(engine: Engine, smtp: Smtp, field: str) -> str:
     assert smtp.script.received == [], "nothing reached the SMTP server"
     assert (row.status, row.attempts) == ("dead", 1), "permanent: no retry of a mail that cannot be sent"
     assert attempt.outcome == "dead"
-    assert attempt.detail == {"field": field, "reason": "header_injection"}
+    assert as_reported(attempt.detail) == {"field": field, "reason": "header_injection"}
     assert "header injection refused" in attempt.error and "evil.example" not in attempt.error
     return str(attempt.error)
 

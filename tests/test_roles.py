@@ -62,6 +62,11 @@ class Roles:
 
 @pytest.fixture
 def roles(pg_url: str) -> Iterator[Roles]:
+    yield from guide_roles(pg_url)
+
+
+def guide_roles(pg_url: str) -> Iterator[Roles]:
+    """The guide's roles in ``pg_url``'s database, with unique names; dropped again afterwards."""
     suffix = uuid.uuid4().hex[:10]
     names = {role: f"{role}_{suffix}" for role in ROLES}
     sql = re.sub(r"\b(outbox_app|outbox_relay|outbox_operator)\b", lambda r: names[r.group(1)], roles_sql())
