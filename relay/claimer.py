@@ -25,7 +25,7 @@ from outbox import Message, signals
 from .announce import send
 from .claim_position import ClaimPositions, Position
 from .clock import utcnow
-from .db import LoopConnection
+from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
 from .dispatch import attempt, to_message, undecodable_outcome
 from .documents import undecodable
@@ -68,7 +68,7 @@ class Claimer:
         # Claims are as durable as outcomes: a claim a server crash forgot would have its
         # attempt number used again, and a delivery its handler already made would leave no
         # trace (no lease ever expires for it), so the duplicate could not be explained.
-        self._conn = LoopConnection(rt.store.engine) if rt.store.fast else None
+        self._conn = LoopConnection(rt.store.engine, settings=HOT_PATH) if rt.store.fast else None
         self._handler_pool = DaemonPool(concurrency + 2)
         writer.on_written = self._slots_freed
         writer.deliveries_running = self.inflight.__len__

@@ -26,8 +26,9 @@ from outbox._first_line import first_line
 from outbox._urls import sync_engine
 
 from .documents import load_document
+from .sql_postgresql import PINNED_PATH
 
-__all__ = ["CHANNEL", "Listener", "LoopConnection", "make_engine", "supports_listen"]
+__all__ = ["CHANNEL", "HOT_PATH", "Listener", "LoopConnection", "make_engine", "supports_listen"]
 
 CHANNEL = "outbox"
 
@@ -90,6 +91,10 @@ async def _connect(engine: Engine, application_name: str, **options: Any) -> Any
 #: The hot path's statements take milliseconds: JIT compilation, which PostgreSQL
 #: switches on by cost estimate alone, would cost more than running them.
 SHORT_STATEMENTS = "SET jit = off"
+
+#: The claim's and the outcome writer's connections: they run only the relay's database functions,
+#: named with their schema, on the search path those functions pin (``sql_postgresql.PINNED_PATH``).
+HOT_PATH = f"{SHORT_STATEMENTS}; {PINNED_PATH}"
 
 
 class LoopConnection:

@@ -24,9 +24,15 @@ class DatabaseUnavailable(OutboxError):
 
 
 async def check_database(rt: RunContext, engine: Engine) -> None:
-    """Raise DatabaseUnavailable unless the database answers and has the tables a claim reads."""
+    """Raise DatabaseUnavailable unless the database answers and has the tables a claim reads.
+
+    On PostgreSQL it also looks up where the relay's functions live, so the
+    event loop's first claim does not wait on that (``Store.calls``).
+    """
     try:
         await rt.db(_probe, engine)
+        if rt.store.in_database:
+            await rt.db(rt.store.calls)
     except SQLAlchemyError as exc:
         url = engine.url.render_as_string(hide_password=True)
         missing = missing_outbox_table(exc)

@@ -98,6 +98,19 @@ class Store:
         # psycopg: the hot path runs on the event loop's own connections (``LoopConnection``).
         self.fast = self.in_database and engine.dialect.driver == "psycopg"
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._calls: pg.Calls | None = None
+
+    def calls(self) -> pg.Calls:
+        """The calls of the relay's database functions, named with their schema (looked up once).
+
+        Named, so that the hot-path connections can run on the functions' own
+        pinned search path (``sql_postgresql.PINNED_PATH``). The start-up check
+        looks them up, so the event loop never waits on it.
+        """
+        if self._calls is None:
+            with self.engine.connect() as conn:
+                self._calls = pg.calls(conn.exec_driver_sql(pg.FUNCTIONS_SCHEMA).scalar())
+        return self._calls
 
     # -- liveness ---------------------------------------------------------------
 
@@ -145,7 +158,7 @@ class Store:
         if self.in_database:
             params = self._claim_params(queue, handlers, limit, start)
             with self._autocommit.connect() as conn:
-                fast_rows = list(conn.exec_driver_sql(pg.CLAIM, params))
+                fast_rows = list(conn.exec_driver_sql(self.calls().claim, params))
             return _in_claim_order(fast_rows)
         now = self.clock.now()
         due = (
@@ -198,7 +211,9 @@ class Store:
         """:meth:`claim` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if limit <= 0 or not handlers:
             return []
-        return _in_claim_order(await conn.fetch(pg.CLAIM, self._claim_params(queue, handlers, limit, start)))
+        return _in_claim_order(
+            await conn.fetch(self.calls().claim, self._claim_params(queue, handlers, limit, start))
+        )
 
     @staticmethod
     def _not_paused(queue: str) -> list[ColumnElement[bool]]:
@@ -253,7 +268,7 @@ class Store:
         if self.in_database:
             params = {"me": self.relay_id, "ids": ids, "lease": self.lease.total_seconds()}
             with self._autocommit.connect() as conn:
-                return set(conn.exec_driver_sql(pg.EXTEND, params).scalars())
+                return set(conn.exec_driver_sql(self.calls().extend, params).scalars())
         ours = and_(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
         renew = update(m).values(locked_until=self.clock.later("lease")).returning(m.c.id)
         # SQLite has no row locks: it runs one writer at a time.
@@ -277,7 +292,7 @@ class Store:
         if self.in_database:
             params = {"me": self.relay_id, "ids": [i for i, _ in claims], "attempts": [a for _, a in claims]}
             with self._autocommit.connect() as conn:
-                return int(conn.exec_driver_sql(pg.RELEASE, params).scalar_one())
+                return int(conn.exec_driver_sql(self.calls().release, params).scalar_one())
         stmt = (
             update(m)
             .where(
@@ -406,7 +421,7 @@ class Store:
             )
         params = {"me": self.relay_id, "decisions": json.dumps(decisions)}
         with self._autocommit.connect() as conn:
-            taken = list(conn.exec_driver_sql(pg.RECOVER, params))
+            taken = list(conn.exec_driver_sql(self.calls().recover, params))
         return [
             Recovered(rows[t.message_id], t.dead, t.retry_in, t.reason, undecodable=notes[t.message_id])
             for t in taken
@@ -420,14 +435,14 @@ class Store:
             return
         if self.in_database:
             with self._autocommit.connect() as conn:
-                conn.exec_driver_sql(pg.COMPLETE, outcomes.batch_params(self.relay_id, results))
+                conn.exec_driver_sql(self.calls().complete, outcomes.batch_params(self.relay_id, results))
             return
         outcomes.write(self.engine, self.relay_id, self.clock, results)
 
     async def complete_on(self, conn: LoopConnection, results: Sequence[Completion]) -> None:
         """:meth:`complete` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if results:
-            await conn.execute(pg.COMPLETE, outcomes.batch_params(self.relay_id, results))
+            await conn.execute(self.calls().complete, outcomes.batch_params(self.relay_id, results))
 
     # -- visibility -----------------------------------------------------------------
 

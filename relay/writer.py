@@ -26,7 +26,7 @@ from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlche
 from outbox import Message, signals
 
 from .announce import send
-from .db import LoopConnection
+from .db import HOT_PATH, LoopConnection
 from .outcomes import Completion
 from .run_context import RunContext, backoff_delay, first_line, log
 
@@ -46,7 +46,11 @@ class OutcomeWriter:
         self._writing: list[Outcome] = []  # taken off the buffer, not yet known to be written
         self._buffered = asyncio.Event()
         self._lock = asyncio.Lock()
-        self._recorder = LoopConnection(rt.store.engine, "outbox-relay write") if rt.store.fast else None
+        self._recorder = (
+            LoopConnection(rt.store.engine, "outbox-relay write", settings=HOT_PATH)
+            if rt.store.fast
+            else None
+        )
         #: called after each written batch: written outcomes free their delivery slots
         self.on_written: Callable[[], None] = lambda: None
         #: deliveries still running (the claimer's count): more outcomes are on their way
