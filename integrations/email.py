@@ -366,9 +366,11 @@ def _secret_forms(username: str | None, password: str | None) -> tuple[str, ...]
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
+    """Whether a password sent in the clear to ``host`` stays on this machine (no warning then)."""
+    name = host.strip().rstrip(".").lower()  # "LOCALHOST" and "localhost." name it too
+    if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
     except ValueError:
         return False

@@ -249,6 +249,8 @@ outbox_pause_log = Table(
     Column("at", UTCDateTime, nullable=False),
     Column("actor", String(255), nullable=False),
     Column("reason", Text, nullable=False),
+    #: PostgreSQL: the login that paused or resumed, stamped by the database (outbox_0016); else NULL
+    Column("db_user", String(255), nullable=True),
     CheckConstraint(_one_of("event", PAUSE_EVENTS), name="event"),
     CheckConstraint(_one_of("kind", PAUSE_KINDS), name="kind"),
     # A queue's or handler's pauses in order: what `outbox show` pairs up.

@@ -75,6 +75,8 @@ def _number(
         if len(value.strip()) > 40:  # before int(): 5,000 digits would hit Python's own limit
             raise argparse.ArgumentTypeError(f"must be at most {shown_top}, got {shown(value)}")
         try:
+            if not value.isascii():  # int() and float() take any script's digits ("٣")
+                raise ValueError
             number = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {shown(value)}") from None

@@ -159,9 +159,9 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
 def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]:
     """The parameters of ``sql_postgresql.COMPLETE``: the whole batch as one JSON document.
 
-    No timestamps travel: the database stamps the history row itself, ``started_at``
-    with the claim's time and ``finished_at`` with its clock at the write. The
-    handler's own run time goes as ``duration_ms``, measured here.
+    The database holds the start and finish times sent here between the claim's
+    time (as it recorded it) and its own clock at the write: this host's clock
+    can make them less precise, never older or newer than what happened.
     """
     batch = [
         {
@@ -173,6 +173,8 @@ def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]
             "error_type": r.error_type,
             "delay": float(r.retry_in),
             "refund": int(r.refund),
+            "started": r.started_at.isoformat(),
+            "finished": r.finished_at.isoformat(),
             "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
             "detail": r.detail,
         }

@@ -769,7 +769,8 @@ def test_starttls_that_the_server_does_not_offer_is_refused(smtp):
 
 def test_a_password_sent_in_clear_to_a_remote_host_is_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="outbox.integrations.email"):
-        EmailHandler("127.0.0.1", sender="a@example.com", username="u", password=PASSWORD)
+        for local in ("127.0.0.1", "::1", "localhost", "LOCALHOST", "localhost.", "mail.localhost"):
+            EmailHandler(local, sender="a@example.com", username="u", password=PASSWORD)
         assert caplog.records == []
         EmailHandler("smtp.example.com", sender="a@example.com", username="u", password=PASSWORD)
     assert [getattr(r, "action", None) for r in caplog.records] == ["smtp_plaintext_auth"]

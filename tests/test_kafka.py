@@ -23,6 +23,7 @@ from kafkamock import PRODUCE, MockCluster
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from stamped import as_reported
 
 import outbox
 from outbox import Backoff, ConfigurationError, Message, Outbox, RetryLater, emit, ops
@@ -151,7 +152,7 @@ def test_messages_arrive_with_the_cloudevents_envelope_keyed_by_aggregate(engine
         assert msg.key() == row.aggregate_id.encode()
         assert json.loads(msg.value()) == row.payload
         # The history says where the message went, and that is where the consumer found it.
-        assert attempts[row.id].detail == {
+        assert as_reported(attempts[row.id].detail) == {
             "topic": TOPIC,
             "partition": msg.partition(),
             "offset": msg.offset(),
@@ -190,7 +191,7 @@ def test_a_too_large_message_is_dead_at_once_and_its_requeued_copy_keeps_the_ce_
     drain(ob, engine)
     (dead,) = history(engine)
     assert dead.outcome == "dead"
-    assert dead.detail == {"topic": TOPIC, "error": "MSG_SIZE_TOO_LARGE"}
+    assert as_reported(dead.detail) == {"topic": TOPIC, "error": "MSG_SIZE_TOO_LARGE"}
     assert "MSG_SIZE_TOO_LARGE" in dead.error
 
     ((old_id, new_id),) = ops.requeue(
@@ -225,7 +226,10 @@ def test_writes_refused_for_longer_than_delivery_timeout_are_retried(engine, ob,
     cluster.push_errors(PRODUCE, *[KafkaError.NOT_ENOUGH_REPLICAS] * 100_000)
     Relay(ob, engine).run_until_idle()
     (first,) = history(engine)
-    assert first.outcome == "retry" and first.detail == {"topic": TOPIC, "error": "_MSG_TIMED_OUT"}
+    assert first.outcome == "retry" and as_reported(first.detail) == {
+        "topic": TOPIC,
+        "error": "_MSG_TIMED_OUT",
+    }
 
     cluster.clear_errors(PRODUCE)
     make_due(engine)

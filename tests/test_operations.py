@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import test_ops_cli
 from aging import age_history
-from sqlalchemy import event, func, insert, select, text, update
+from sqlalchemy import Text, cast, event, func, insert, select, text, type_coerce, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 from test_ops_cli import FAST, assert_one_line_error, ok, ok_json, outbox_cmd, run, snapshot
@@ -669,3 +669,31 @@ def test_a_large_filtered_requeue_and_discard_work_in_batches(engine):
     url = engine.url.render_as_string(hide_password=False)
     again = run("requeue", "--status", "dead", "--reason", "r", "--yes", "--json", database_url=url)
     assert ok_json(again) == []
+
+
+def test_a_dead_message_too_deep_for_pythons_json_decoder_is_requeued_whole(engine):
+    """Stored before emit capped nesting: requeue copies its documents inside the database."""
+    deep = "[" * 1500 + "]" * 1500
+    payload = "CAST(:payload AS jsonb)" if engine.dialect.name == "postgresql" else ":payload"
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload,"
+                " headers, idempotency_key, status, attempts, max_attempts, available_at, created_at,"
+                " updated_at)"
+                f" VALUES (:event_id, 'e', 'r', 'default', 0, {payload}, '{{}}', 'k', 'dead', 3, 3,"
+                " :now, :now, :now)"
+            ),
+            {"event_id": str(uuid.uuid4()), "payload": deep, "now": datetime.now(UTC)},
+        )
+        (old,) = conn.execute(select(m.c.id)).scalars()
+    ((requeued, copy),) = ops.requeue(engine, ops.MessageFilter(ids=[old]), reason="fixed", actor="ana")
+    assert requeued == old
+    # Read back as text: Python's decoder could not take it either.
+    as_text = (
+        cast(m.c.payload, Text) if engine.dialect.name == "postgresql" else type_coerce(m.c.payload, Text)
+    )
+    with engine.connect() as conn:
+        row = conn.execute(select(m.c.status, m.c.idempotency_key, as_text).where(m.c.id == copy)).one()
+    assert (row[0], row[1]) == ("pending", f"k~requeue:{old}")
+    assert row[2].replace(" ", "") == deep

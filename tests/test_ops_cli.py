@@ -746,6 +746,7 @@ BAD_INPUT: list[tuple[str, list[str], int, list[str]]] = [
     ),
     ("id past bigint", ["show", "9" * 20, "--database-url", "sqlite://"], 2, ["at most 9223372036854775807"]),
     ("5,000-digit id", ["discard", "9" * 5000, "--reason", "r"], 2, ["argument ID: must be at most"]),
+    ("id in Arabic-Indic digits", ["show", "\u0663", "--database-url", "sqlite://"], 2, ["integers"]),
     ("page past bigint", ["list", "--limit", "9" * 20], 2, ["--limit: must be at most"]),
     (
         "batch past bigint",

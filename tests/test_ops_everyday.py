@@ -23,6 +23,7 @@ import pytest
 from sqlalchemy import insert, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from stamped import as_reported
 from test_ops_cli import assert_one_line_error, history_of, login_of, ok, ok_json, outbox_cmd, run, snapshot
 
 import outbox
@@ -156,7 +157,8 @@ def test_show_prints_a_long_detail_whole_never_cut_mid_string(billing):
     row = next(line for line in shown.splitlines() if "retried_now" in line)
     assert "(below:" in row and "was_due_at" not in row
     below = shown.split("detail of attempt 1 (retried_now):\n", 1)[1]
-    assert json.loads(below) == json.loads(json.dumps(last.detail))
+    # The login the database stamps goes in the "by" column, not below with the facts.
+    assert json.loads(below) == as_reported(json.loads(json.dumps(last.detail)))
     whole = ok_json(run("show", str(message_id), "--json", database_url=billing.url))
     assert whole["attempts"][-1]["detail"] == last.detail
 

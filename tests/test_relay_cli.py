@@ -103,6 +103,8 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
             (["--lease", "1e12"], "--lease: must be at most 31536000"),
             (["--concurrency", "9" * 20], "--concurrency: must be at most 2147483647"),
             (["--batch-size", "9" * 5000], "--batch-size: must be at most 2147483647"),
+            (["--concurrency", "\u0663"], "--concurrency: expected a number"),
+            (["--lease", "\uff13\uff10"], "--lease: expected a number"),
             (["--queue-concurrency", "reports=" + "9" * 20], "must be at most 2147483647"),
             (["--queue-concurrency", "bulk jobs=2"], "whitespace"),
             (["--queue", "\udcff"], "--queue: '\\xff' is not valid UTF-8"),

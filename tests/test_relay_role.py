@@ -80,24 +80,30 @@ def test_the_relay_login_cannot_write_messages_or_history_with_plain_sql(roles: 
     assert Relay(ob, relay_engine).run_until_idle().delivered == 1
 
 
-def test_history_timestamps_come_from_the_database_not_the_relay_host(roles: Roles, pg_engine):
-    """A relay host whose clock is a day behind cannot make fresh history look purgeable."""
+def test_history_timestamps_are_held_to_what_the_database_saw(roles: Roles, pg_engine):
+    """A relay host whose clock is a day off cannot make fresh history look purgeable, or date it ahead."""
     ob = _relay_ob()
-    (mid,) = _emitted(pg_engine, ob)
+    slow, fast = _emitted(pg_engine, ob, 2)
     relay = Relay(ob, roles.engine("outbox_relay"), relay_id="skewed")
-    (claimed,) = relay.store.claim("default", ["r"], 1)
+    assert len(relay.store.claim("default", ["r"], 2)) == 2
     with pg_engine.connect() as conn:
-        claimed_at = conn.execute(select(m.c.updated_at).where(m.c.id == mid)).scalar_one()
-    day_ago = datetime.now(UTC) - timedelta(days=1)
+        claimed_at = conn.execute(select(m.c.updated_at).where(m.c.id == slow)).scalar_one()
+    day = timedelta(days=1)
+    day_ago, day_ahead = datetime.now(UTC) - day, datetime.now(UTC) + day
     relay.store.complete(
-        [Completion(mid, claimed.attempts, "delivered", "delivered", started_at=day_ago, finished_at=day_ago)]
+        [
+            Completion(slow, 1, "delivered", "delivered", started_at=day_ago, finished_at=day_ago),
+            Completion(fast, 1, "delivered", "delivered", started_at=day_ahead, finished_at=day_ahead),
+        ]
     )
-    (row,) = _history(pg_engine)
     with pg_engine.connect() as conn:
         now = conn.execute(select(func.now())).scalar_one()
-    assert row.started_at == claimed_at
-    assert claimed_at <= row.finished_at <= now
-    assert (row.relay_id, row.detail["db_user"]) == ("skewed", roles.names["outbox_relay"])
+    rows = {row.message_id: row for row in _history(pg_engine)}
+    assert rows[slow].started_at == rows[slow].finished_at == claimed_at
+    assert claimed_at <= rows[fast].started_at <= rows[fast].finished_at <= now
+    assert {(r.relay_id, r.detail["db_user"]) for r in rows.values()} == {
+        ("skewed", roles.names["outbox_relay"])
+    }
 
 
 def test_a_relay_cannot_record_an_outcome_for_a_message_it_never_claimed(roles: Roles, pg_engine):
@@ -169,7 +175,7 @@ def test_a_late_outcome_is_recorded_once_and_a_resent_batch_appends_nothing(role
         (first, 1, "delivered", "slow"),
     ]
     late, expired = _history(pg_engine)[2], _history(pg_engine)[1]
-    assert late.started_at == expired.started_at
+    assert expired.started_at <= late.started_at <= late.finished_at  # held to the claim it reports on
     with pg_engine.connect() as conn:
         assert conn.execute(select(m.c.status).where(m.c.id == first)).scalar_one() == "pending"
 

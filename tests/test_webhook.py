@@ -31,6 +31,7 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from stamped import as_reported
 from standardwebhooks.webhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError as ReferenceVerificationError
 from tlscert import self_signed
@@ -539,7 +540,7 @@ def test_loopback_is_refused_unless_allow_listed(engine, ob, maker, receiver):
     assert json.loads(req.body) == {"url": receiver.url("/from-payload"), "order_id": 1}
     dead = next(h for h in history(engine) if h.outcome == "dead")
     assert "loopback address (SSRF guard)" in dead.error
-    assert dead.detail == {
+    assert as_reported(dead.detail) == {
         "reason": "ssrf_refused",
         "host": f"127.0.0.1:{receiver.port}",
         "refused": "loopback",

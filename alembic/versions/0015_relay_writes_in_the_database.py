@@ -17,8 +17,10 @@ the tables' owner, with ``search_path`` pinned, one call per batch, as before
 
 - ``outbox_claim`` leases due rows (the statement the relay ran, unchanged);
 - ``outbox_complete`` applies a batch of outcomes (JSON in) and appends their
-  history: ``started_at`` is the claim's time as the row recorded it,
-  ``finished_at`` the database's clock, ``detail.db_user`` the login. An outcome
+  history: the relay's own start and finish times are held between the claim's
+  time as the row recorded it and the database's clock at the write (a relay
+  host whose clock is a day slow cannot make fresh history look old), and
+  ``detail.db_user`` is the login. An outcome
   is recorded only for a claim the caller holds, or held until a lease recovery
   took it back (the recovery's row names it): a relay cannot write history for
   a message it never claimed. Statuses and outcomes are the relay's own (no
@@ -137,7 +139,8 @@ BEGIN
     WITH outcome AS (
         SELECT * FROM jsonb_to_recordset(batch)
             AS o(id bigint, attempt int, status text, outcome text, error text, error_type text,
-                 delay float8, refund int, duration_ms int, detail jsonb)
+                 delay float8, refund int, started timestamptz, finished timestamptz, duration_ms int,
+                 detail jsonb)
     ), claimed AS (
         -- The rows as the claim left them (this statement's snapshot): updated_at is the claim's time.
         SELECT o.*, m.updated_at AS claimed_at,
@@ -158,7 +161,7 @@ BEGIN
     ), recorded AS (
         -- A claim still held, or one a lease recovery took back from this relay (a late outcome:
         -- the attempt did happen), recorded once; never a message this relay did not hold.
-        SELECT c.*, CASE WHEN c.ours THEN c.claimed_at ELSE x.started_at END AS started
+        SELECT c.*, CASE WHEN c.ours THEN c.claimed_at ELSE x.started_at END AS claim_time
           FROM claimed c
           LEFT JOIN LATERAL (
                 SELECT h.started_at FROM {s}.outbox_attempt h
@@ -170,13 +173,16 @@ BEGIN
                  WHERE d.message_id = c.id AND d.attempt = c.attempt AND d.outcome = c.outcome
                    AND d.relay_id = me))
     )
+    -- The relay's own start and finish, held to what the database saw: not before the claim,
+    -- not after this write.
     INSERT INTO {s}.outbox_attempt (message_id, attempt, outcome, started_at, finished_at, duration_ms,
                                     relay_id, error_type, error, detail)
-    SELECT r.id, r.attempt, r.outcome, r.started, now(), greatest(r.duration_ms, 0), me,
-           r.error_type, r.error,
+    SELECT r.id, r.attempt, r.outcome, t.started, greatest(t.started, least(r.finished, now())),
+           greatest(r.duration_ms, 0), me, r.error_type, r.error,
            CASE WHEN jsonb_typeof(r.detail) = 'object' THEN r.detail ELSE '{{}}'::jsonb END
                || jsonb_build_object('db_user', session_user)
       FROM recorded r
+     CROSS JOIN LATERAL (SELECT greatest(r.claim_time, least(r.started, now())) AS started) t
         ON CONFLICT (message_id, attempt, outcome, started_at) DO NOTHING;
 END
 $$

@@ -86,6 +86,8 @@ def _whole(value: str, expected: str) -> int:
     if len(digits) > len(str(MAX_ID)):  # before int(): 5,000 digits would hit Python's own limit
         raise argparse.ArgumentTypeError(f"must be at most {MAX_ID}, got {shown(value)}")
     try:
+        if not value.isascii():  # int() takes any script's digits ("٣"); an id is ASCII
+            raise ValueError
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{expected}, got {shown(value)}") from None

@@ -114,17 +114,19 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     for h in found.attempts:
         while events and events[0][0] < h["started_at"]:
             rows.append(events.pop(0)[1])
-        detail = json.dumps(h["detail"], default=str, ensure_ascii=False) if h["detail"] else ""
+        reported, login = _login_apart(h["detail"])
+        detail = json.dumps(reported, default=str, ensure_ascii=False) if reported else ""
         if len(detail) > _DETAIL_WIDTH:  # never cut: the whole document goes below the table
-            details.append((f"attempt {h['attempt']} ({h['outcome']})", json.dumps(h["detail"], indent=2)))
+            details.append((f"attempt {h['attempt']} ({h['outcome']})", json.dumps(reported, indent=2)))
             detail = f"(below: {len(detail)} characters)"
+        by = h["relay_id"] or h["actor"]
         rows.append(
             [
                 h["attempt"],
                 h["outcome"],
                 h["started_at"],
                 h["duration_ms"],
-                h["relay_id"] or h["actor"],
+                f"{by} ({login})" if login is not None and login != by else by,
                 h["error"] or h["reason"],
                 detail,
             ]
@@ -139,6 +141,19 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
 #: The widest detail the history table shows inline (the table's cell width).
 _DETAIL_WIDTH = 60
 
+
+
+
+def _login_apart(detail: Any) -> tuple[Any, str | None]:
+    """A history row's detail without ``db_user``, and that login: the table shows it beside the label.
+
+    PostgreSQL stamps every row with the login that wrote it (``db_user``); it
+    belongs with the relay id or actor it vouches for, not among the handler's facts.
+    """
+    if not isinstance(detail, dict) or not isinstance(detail.get("db_user"), str):
+        return detail, None
+    rest = {k: v for k, v in detail.items() if k != "db_user"}
+    return rest, detail["db_user"]
 
 def _pause_events(spans: Sequence[ops.PauseSpan]) -> list[tuple[datetime, list[Any]]]:
     """Each pause of the message's queue or handler as table rows: when it began, when it ended."""

@@ -111,32 +111,30 @@ def requeued_key(key: str | None, old_id: int) -> str | None:
 
 
 def _copy(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> int:
-    new_id: int = conn.execute(
-        insert(m)
-        .values(
-            event_id=old.event_id,
-            event_type=old.event_type,
-            handler=old.handler,
-            queue=old.queue,
-            priority=old.priority,
-            payload=old.payload,
-            headers=old.headers,
-            aggregate_type=old.aggregate_type,
-            aggregate_id=old.aggregate_id,
-            idempotency_key=requeued_key(old.idempotency_key, old.id),
-            group_key=old.group_key,
-            status="pending",
-            attempts=0,
-            max_attempts=old.max_attempts,
-            available_at=now,
-            created_at=now,
-            updated_at=now,
-            requeued_from=old.id,
-        )
-        .returning(m.c.id)
-    ).scalar_one()
+    """SQLite: copy ``old`` as a new pending message, its documents copied inside the database.
+
+    Copied by ``INSERT ... SELECT``, never read into Python: a payload stored before
+    emit capped nesting may be too deep for Python's JSON decoder, and is still requeued.
+    """
+    kept = ["event_id", "event_type", "handler", "queue", "priority", "payload", "headers"]
+    kept += ["aggregate_type", "aggregate_id", "group_key", "max_attempts"]
+    fresh = {
+        "idempotency_key": literal(requeued_key(old.idempotency_key, old.id), m.c.idempotency_key.type),
+        "status": literal("pending"),
+        "attempts": literal(0),
+        "available_at": literal(now, m.c.available_at.type),
+        "created_at": literal(now, m.c.created_at.type),
+        "updated_at": literal(now, m.c.updated_at.type),
+        "requeued_from": m.c.id,
+    }
+    source = select(*(m.c[name] for name in kept), *fresh.values()).where(m.c.id == old.id)
+    new_id: int = conn.execute(insert(m).from_select([*kept, *fresh], source).returning(m.c.id)).scalar_one()
     _record_action(conn, old, "requeued", actor, reason, now, new_id=new_id)
     return new_id
+
+
+#: What requeue reads of a message: never its documents (the copy is made inside the database).
+_REQUEUE_COLUMNS = [m.c.id, m.c.status, m.c.attempts, m.c.idempotency_key]
 
 
 def requeue(
@@ -165,13 +163,16 @@ def requeue(
     pairs: list[tuple[int, int]] = []
     if where.ids:
         with engine.begin() as conn:
-            targets = _named(conn, where, REQUEUABLE, "requeue", [m])
+            targets = _named(conn, where, REQUEUABLE, "requeue", _REQUEUE_COLUMNS)
             copied = _requeued_as(conn, [r.id for r in targets])
             if copied:
                 listed = ", ".join(f"{old} (as {new})" for old, new in sorted(copied.items()))
                 raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
             return _requeue_rows(conn, targets, actor, reason, now, strict=True)
-    for conn, batch in _filtered_batches(engine, where, REQUEUABLE, "requeue", [m], batch_size, ~_has_copy()):
+    batches = _filtered_batches(
+        engine, where, REQUEUABLE, "requeue", _REQUEUE_COLUMNS, batch_size, ~_has_copy()
+    )
+    for conn, batch in batches:
         # Read again just before acting: a concurrent requeue may have committed a copy since the
         # query began (the database function checks once more under its lock).
         copied = _requeued_as(conn, [r.id for r in batch])

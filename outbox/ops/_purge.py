@@ -13,6 +13,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .._tables import outbox_retention_run, status_is_one_of
 from ._base import (
+    ACTOR_LIMIT,
     OpsError,
     _before,
     _has_copy,
@@ -84,8 +85,8 @@ def purge(
         raise OpsError(f"batch_size must be 1 to {MAX_PURGE_BATCH}, got {batch_size!r}")
     if not isinstance(actor, str) or not actor.strip():
         raise OpsError("an actor is required: it is what outbox_retention_run will say")
-    if len(actor) > 255:
-        raise OpsError("the actor is longer than 255 characters; give a shorter name")
+    if len(actor) > ACTOR_LIMIT:
+        raise OpsError(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
     if delivered_older_than < timedelta(0):
         raise OpsError("delivered_older_than cannot be negative")
     if history_older_than is not None and history_older_than < MIN_HISTORY_AGE:
