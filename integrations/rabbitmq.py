@@ -16,12 +16,27 @@ an ack without a queue would be a silent loss.
 
 ======================================  ===================================================
 confirmed (``basic.ack``)               delivered; the detail records exchange, routing key
-returned unroutable (``basic.return``)  dead at once, ``unroutable: ...``
+returned unroutable (``basic.return``)  dead at once, ``unroutable: ...``; with
+                                        ``on_unroutable="retry"`` retried, counted
 refused (``basic.nack``)                retried (a full queue with ``x-overflow: reject-publish``)
-no confirm within ``publish_timeout``   retried (the broker may still accept it: a duplicate)
-connection or channel lost              retried; the next publish reconnects
+no confirm within ``publish_timeout``   deferred, not counted (the broker is blocked by an
+                                        alarm or unreachable; it may still accept it later:
+                                        a duplicate)
+cannot connect; connection or channel   deferred, not counted; the next publish reconnects
+lost
 exchange missing (not declared)         retried, the reason recorded
 ======================================  ===================================================
+
+A deferral that is not counted says nothing about the message: a broker
+outage of any length uses up no attempts. Such deferrals wait longer as the
+outage goes on (a second at first, then a quarter of the time the broker has
+been away, at most ``_OUTAGE_RETRY_CAP`` seconds), so a long outage does not
+turn into a storm of claims and history rows.
+
+Returns are matched to publishes by AMQP ``message_id`` (the client's rule), and
+one event published by several routes shares its ``message_id`` (the
+``ce-id``): two publishes with the same id are never in flight at once on one
+channel, so a return always reaches the publish it belongs to.
 """
 
 from __future__ import annotations
@@ -47,6 +62,10 @@ ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
 _KINDS: tuple[str, ...] = ("direct", "topic", "fanout", "headers")
 _CONNECT_TIMEOUT = 10.0
 _CLOSE_TIMEOUT = 5.0
+#: Deferrals during an outage: the first after a second, later ones a quarter of its length so far.
+_OUTAGE_RETRY_MIN = 1.0
+_OUTAGE_RETRY_CAP = 30.0
+_UNROUTABLE = ("dead", "retry")
 
 
 def _check_url(url: object) -> URL:
@@ -84,6 +103,30 @@ class _Link:
         self.connection: AbstractConnection | None = None
         self.channel: AbstractChannel | None = None
         self.exchange: AbstractExchange | None = None
+        #: loop time the broker was first found unreachable in the current outage (None: reachable)
+        self.down_since: float | None = None
+        #: publishes in flight by AMQP message_id: the client matches a return to its publish by it
+        self.publishing: dict[str, asyncio.Future[None]] = {}
+
+    def outage_delay(self) -> float:
+        """How long a message deferred by this outage waits: longer as the outage goes on."""
+        now = asyncio.get_running_loop().time()
+        if self.down_since is None:
+            self.down_since = now
+        return min(_OUTAGE_RETRY_CAP, max(_OUTAGE_RETRY_MIN, (now - self.down_since) / 4))
+
+    async def one_at_a_time(self, message_id: str) -> asyncio.Future[None]:
+        """Wait until no publish with ``message_id`` is in flight, then claim the id; resolve the result."""
+        while (earlier := self.publishing.get(message_id)) is not None and not earlier.done():
+            await asyncio.shield(earlier)
+        self.publishing[message_id] = done = asyncio.get_running_loop().create_future()
+
+        def forget(finished: asyncio.Future[None]) -> None:
+            if self.publishing.get(message_id) is finished:
+                del self.publishing[message_id]
+
+        done.add_done_callback(forget)
+        return done
 
     def usable(self) -> bool:
         return (
@@ -112,8 +155,12 @@ class RabbitMQPublisher:
     below the route's timeout so the reason recorded is ours. The exchange must
     exist unless ``declare_exchange`` names a type to declare it (durable) with
     on first use. ``correlation_id``, a template like ``routing_key``, sets the
-    AMQP correlation id. One connection and one channel serve every concurrent
-    delivery of a relay.
+    AMQP correlation id. ``on_unroutable`` says what a message no queue is bound
+    for becomes: ``"dead"`` at once (the default: a binding is missing, and
+    nothing will change until someone adds it), or ``"retry"``, a counted
+    attempt with the route's backoff (the queues are declared by consumers that
+    may not have started yet). One connection and one channel serve every
+    concurrent delivery of a relay.
     """
 
     def __init__(
@@ -126,6 +173,7 @@ class RabbitMQPublisher:
         publish_timeout: float = 10.0,
         declare_exchange: ExchangeKind | None = None,
         correlation_id: str | None = None,
+        on_unroutable: Literal["dead", "retry"] = "dead",
     ) -> None:
         self._url = _check_url(url)
         self._raw_url = url
@@ -155,6 +203,9 @@ class RabbitMQPublisher:
             raise ConfigurationError(f"source must be a non-empty string, got {source!r}")
         self.source = source
         self.publish_timeout = _positive("publish_timeout", publish_timeout)
+        if on_unroutable not in _UNROUTABLE:
+            raise ConfigurationError(f"on_unroutable must be 'dead' or 'retry', got {on_unroutable!r}")
+        self.on_unroutable = on_unroutable
         self._links: PerLoop[_Link] = PerLoop(lambda: _Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
 
     @property
@@ -205,18 +256,24 @@ class RabbitMQPublisher:
         detail: dict[str, Any] = {"exchange": self.exchange, "routing_key": routing_key}
         link = self._link()
         connection: AbstractConnection | None = None
+        turn: asyncio.Future[None] | None = None
         try:
             async with asyncio.timeout(self.publish_timeout):
                 exchange, connection = await self._open(link)
+                turn = await link.one_at_a_time(env.id)
                 await exchange.publish(amqp, routing_key, mandatory=True)
+            link.down_since = None
         except PublishError as exc:
             reply = None if exc.message is None else exc.message.delivery
             code, text = getattr(reply, "reply_code", None), getattr(reply, "reply_text", None)
-            raise PermanentError(
+            why = (
                 f"unroutable: exchange {self.exchange!r} has no queue bound for routing key "
-                f"{routing_key!r} ({code} {text})",
-                detail={**detail, "reason": "unroutable", "reply_code": code, "reply_text": text},
-            ) from None
+                f"{routing_key!r} ({code} {text})"
+            )
+            facts = {**detail, "reason": "unroutable", "reply_code": code, "reply_text": text}
+            if self.on_unroutable == "retry":
+                raise RetryLater(why, detail=facts) from None
+            raise PermanentError(why, detail=facts) from None
         except DeliveryError as exc:
             raise RetryLater(
                 f"the broker refused the message ({exc.frame.name}): a queue bound to {self.exchange!r} "
@@ -226,7 +283,9 @@ class RabbitMQPublisher:
         except TimeoutError:
             raise RetryLater(
                 f"no confirm from {self.url} within {self.publish_timeout:g}s "
-                "(broker blocked, e.g. a memory or disk alarm, or unreachable)",
+                "(broker blocked, e.g. a memory or disk alarm, or unreachable); not counted",
+                delay=link.outage_delay(),
+                counts_as_attempt=False,
                 detail={**detail, "reason": "timeout"},
             ) from None
         except _ExchangeMissing as exc:
@@ -235,9 +294,14 @@ class RabbitMQPublisher:
             # RuntimeError: aiormq's ChannelInvalidStateError when the channel closed under us.
             await link.drop(connection)
             raise RetryLater(
-                f"RabbitMQ at {self.url}: {type(exc).__name__}: {self._scrub(str(exc))}",
+                f"RabbitMQ at {self.url}: {type(exc).__name__}: {self._scrub(str(exc))}; not counted",
+                delay=link.outage_delay(),
+                counts_as_attempt=False,
                 detail={**detail, "reason": "connection"},
             ) from None
+        finally:
+            if turn is not None and not turn.done():
+                turn.set_result(None)
         return detail
 
     def _link(self) -> _Link:

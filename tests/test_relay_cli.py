@@ -134,6 +134,8 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
         "lease-past-a-year",
         "concurrency-past-int4",
         "batch-size-5000-digits",
+        "concurrency-in-arabic-indic-digits",
+        "lease-in-fullwidth-digits",
         "queue-cap-past-int4",
         "queue-cap-bad-name",
         "queue-not-utf8",
