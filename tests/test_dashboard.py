@@ -22,7 +22,14 @@ import httpx
 import pytest
 import test_ops_cli
 from sqlalchemy import select
-from test_ops_cli import Seeded, assert_cut_at_depth_shown, history_of, insert_nested_message, statuses
+from test_ops_cli import (
+    Seeded,
+    assert_cut_at_depth_shown,
+    delivered_after_a_failure,
+    history_of,
+    insert_nested_message,
+    statuses,
+)
 
 import outbox
 from outbox import ops
@@ -197,6 +204,8 @@ def test_a_filtered_list_is_bookmarkable(reader, seeded):
         ("where=payload.n%3D%22%5Cu0000%22", "where: the value contains a NUL character"),
         ("where=payload.n%3D" + "9" * 500, "where: a 500-digit integer is out of range"),
         ("where=payload.n%3D" + "9" * 5000, "where is longer than 1000 characters"),
+        ("needs_decision=yes", "needs_decision: 1 (only dead messages nobody has requeued) or 0, got 'yes'"),
+        ("status=pending&needs_decision=1", "needs_decision: only dead messages need a decision"),
     ],
 )
 def test_bad_filters_get_a_specific_400(reader, query, problem):
@@ -213,12 +222,107 @@ def test_bad_filters_get_a_specific_400(reader, query, problem):
         ("/reports/%00", "report run id contains a NUL character"),
         ("/reports?before=%00", "before contains a NUL character"),
         ("/dead/count?before_id=²", "before_id: expected a whole number, got '²'"),
+        ("/dead?needs_decision=%00", "needs_decision: 1 (only dead messages nobody has requeued) or 0"),
     ],
 )
 def test_bad_ids_and_names_in_urls_get_a_400(reader, path, problem):
     response = reader.get(path)
     assert response.status_code == 400
     assert problem in text_of(response.text).replace("&#39;", "'")
+
+
+def row_ids(html: str) -> list[int]:
+    """The ids of a listing's rows, in order (not the copies a row links to)."""
+    return [int(i) for i in re.findall(r'<td class="num"><a href="/messages/(\d+)">#', html)]
+
+
+def test_dead_letters_show_what_needs_a_decision_and_switch_to_every_dead_one(operator, seeded):
+    first, second = seeded.id("order:7"), seeded.id("order:8")
+    ((_, copy),) = ops.requeue(seeded.engine, ops.MessageFilter(ids=(first,)), reason="fixed", actor="t")
+    overview = operator.get("/").text
+    assert re.search(r'href="/dead"><span class="n" data-count="dead">1<', overview)
+    assert re.search(
+        r'href="/dead\?needs_decision=0"><span class="n" data-count="dead_requeued">1<', overview
+    )
+
+    needing = operator.get("/dead")
+    assert needing.status_code == 200
+    assert row_ids(needing.text) == [second], "the requeued original is left out"
+    assert "1 matching." in text_of(needing.text)
+    switch = re.search(r'<a href="([^"]+)" data-switch="all">', needing.text)
+    assert switch is not None
+    assert html_text.unescape(switch.group(1)) == "/dead?status=dead&needs_decision=0"
+
+    every = operator.get(html_text.unescape(switch.group(1))).text
+    assert row_ids(every) == [second, first]
+    assert "2 matching." in text_of(every)
+    marker = re.search(
+        rf'data-requeued-to="{copy}">requeued as <a href="/messages/{copy}">#{copy}</a>', every
+    )
+    assert marker is not None, "the original links to its copy"
+    assert every.count("data-requeued-to=") == 1
+    assert '<input type="hidden" name="needs_decision" value="0">' in every, "Filter keeps the view"
+    assert '<a href="/dead?needs_decision=0">Clear</a>' in every, "so does Clear"
+    back = re.search(r'<a href="([^"]+)" data-switch="needing">', every)
+    assert back is not None and back.group(1) == "/dead?status=dead"
+
+    # Filters combine with either view, and the count and the bulk actions follow the page.
+    assert row_ids(operator.get("/dead?needs_decision=0&where=payload.order_id%3D7").text) == [first]
+    assert row_ids(operator.get("/dead?where=payload.order_id%3D7").text) == []
+    assert "1 matching" in text_of(operator.get("/dead/count").text)
+    counted = operator.get("/dead/count?needs_decision=0").text
+    assert "2 matching" in text_of(counted) and 'href="/dead?status=dead&amp;needs_decision=0"' in counted
+    form = {"scope": "filter", "reason": "refunded"}
+    assert "Discard 1 dead message?" in text_of(
+        operator.post("/dead/discard", data=form, headers=SAME_SITE).text
+    )
+    every_form = {**form, "needs_decision": "0"}
+    ask = operator.post("/dead/discard", data=every_form, headers=SAME_SITE)
+    assert "Discard 2 dead messages?" in text_of(ask.text)
+    assert statuses(seeded.engine)["order:8"] == "dead", "nothing done before the confirmation"
+
+    # The messages page takes the same parameter, named like `outbox list --needs-decision`.
+    assert row_ids(operator.get("/messages?needs_decision=1").text) == [second]
+    assert row_ids(operator.get("/messages?status=dead&needs_decision=1").text) == [second]
+    listed = operator.get("/messages").text
+    assert row_ids(listed) == sorted([*seeded.ids.values(), copy], reverse=True)
+    assert re.search(rf'data-requeued-to="{copy}"', listed) and f"copy of #{first}" in text_of(listed)
+
+
+def test_the_requeue_and_discard_forms_work_from_either_view(operator, seeded):
+    first, second = seeded.id("order:7"), seeded.id("order:8")
+    form = {"scope": "selected", "reason": "billing fixed", "id": [str(first)]}
+    ask = operator.post("/dead/requeue", data=form, headers=SAME_SITE)
+    confirm = dict(re.findall(r'name="(expected_ids|confirm|reason)" value="([^"]*)"', ask.text))
+    done = operator.post("/dead/requeue", data={**confirm, "id": [str(first)]}, headers=SAME_SITE)
+    assert "1 message requeued" in text_of(done.text)
+    assert row_ids(operator.get("/dead").text) == [second]
+
+    # The original, listed again under "all", can still be discarded (as the group runbook does).
+    every = operator.get("/dead?needs_decision=0").text
+    assert f'value="{first}" form="bulk"' in every
+    form = {"scope": "selected", "reason": "copy made", "id": [str(first)], "needs_decision": "0"}
+    ask = operator.post("/dead/discard", data=form, headers=SAME_SITE)
+    assert "Discard 1 dead message?" in text_of(ask.text)
+    confirm = dict(re.findall(r'name="(expected_ids|confirm|reason)" value="([^"]*)"', ask.text))
+    done = operator.post("/dead/discard", data={**confirm, "id": [str(first)]}, headers=SAME_SITE)
+    assert "1 message discarded" in text_of(done.text)
+    assert statuses(seeded.engine)["order:7"] == "discarded"
+    assert row_ids(operator.get("/dead?needs_decision=0").text) == [second]
+
+
+def test_a_delivered_messages_earlier_error_reads_as_history(reader, seeded):
+    delivered = delivered_after_a_failure(seeded)
+    listing = reader.get("/messages?queue=sms").text
+    assert row_ids(listing) == [delivered]
+    assert '<td class="earlier">earlier error: SMS gateway timed out</td>' in listing
+    assert '<td class="error">' not in listing
+    detail = reader.get(f"/messages/{delivered}").text
+    assert re.search(r'<dt>Earlier error</dt><dd class="earlier">SMS gateway timed out ', detail)
+    assert "Last error" not in detail and 'dd class="error"' not in detail
+    dead = reader.get(f"/messages/{seeded.id('order:7')}").text
+    assert '<dt>Last error</dt><dd class="error">order 7 is unknown to billing</dd>' in dead
+    assert '<td class="error">order 7 is unknown to billing</td>' in reader.get("/dead").text
 
 
 def test_detail_shows_the_timeline_redacted_payload_and_lineage(operator, seeded):

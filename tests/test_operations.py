@@ -75,6 +75,41 @@ def test_dead_counts_only_messages_nobody_has_requeued(seeded):
         assert conn.execute(text(UNRESOLVED_DEAD_SQL)).scalar_one() == 0
 
 
+def test_needs_decision_lists_the_dead_the_count_counts_and_every_row_names_its_copy(seeded):
+    engine = seeded.engine
+    first, second = seeded.id("order:7"), seeded.id("order:8")
+
+    def needing(**filters: Any) -> list[int]:
+        return [r.id for r in ops.list_messages(engine, ops.MessageFilter(needs_decision=True, **filters))]
+
+    assert needing() == [second, first]
+    ((_, copy),) = ops.requeue(engine, ops.MessageFilter(ids=(first,)), reason="billing fixed", actor="t")
+    rows = {r.id: r for r in ops.list_messages(engine)}
+    assert (rows[first].status, rows[first].requeued_to) == ("dead", copy), "stays dead, names its copy"
+    assert [i for i, r in rows.items() if r.requeued_to is not None] == [first]
+    assert needing() == [second]
+    assert ops.count_messages(engine, ops.MessageFilter(needs_decision=True)).count == ops.stats(engine).dead
+    assert ops.show(engine, first).message["requeued_to"] == copy
+    assert ops.show(engine, copy).message["requeued_to"] is None
+
+    # It narrows the other filters, and what an action by filter would touch.
+    assert needing(status="dead", queue="billing") == [second]
+    assert needing(handler="welcome_email") == []
+    assert needing(payload=(ops.parse_where("payload.order_id=7"),)) == []
+    assert ops.candidate_ids(engine, ops.MessageFilter(needs_decision=True), "discard") == [second]
+    assert not ops.MessageFilter(needs_decision=True).empty, "a filter of its own: never 'every message'"
+
+    # The copy dies too: it needs a decision now, its original still does not.
+    Relay(seeded.ob, engine, queues=["billing"]).run_until_idle()
+    assert needing() == [copy, second]
+    ops.discard(engine, ops.MessageFilter(ids=(second,)), reason="refunded", actor="t")
+    assert needing() == [copy] and ops.stats(engine).dead == 1
+
+    for status in ("pending", "running", "delivered", "discarded"):
+        with pytest.raises(ops.OpsError, match=f"only dead messages need a decision.*{status}"):
+            needing(status=status)
+
+
 UNRESOLVED_DEAD_SQL = """
 SELECT count(*) FROM outbox_message m
  WHERE m.status = 'dead'

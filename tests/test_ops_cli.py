@@ -205,6 +205,23 @@ def seeded(database_url: str, engine: Engine) -> Iterator[Seeded]:
     ob.uninstall(maker)
 
 
+def delivered_after_a_failure(seeded: Seeded) -> int:
+    """A message whose first attempt failed and whose second delivered it; its last_error stays."""
+
+    @seeded.ob.handler("sms.requested", name="sms", queue="sms", max_attempts=3)
+    def sms(msg: outbox.Message) -> None:
+        if msg.attempt == 1:
+            raise ConnectionError("SMS gateway timed out")
+
+    with seeded.maker() as s, s.begin():
+        emit(s, "sms.requested", {"to": "+15550100"}, key="sms:1")
+    seeded.deliver("sms")
+    with seeded.engine.connect() as conn:
+        row = conn.execute(select(m.c.id, m.c.status, m.c.last_error).where(m.c.queue == "sms")).one()
+    assert (row.status, row.last_error) == ("delivered", "SMS gateway timed out")
+    return int(row.id)
+
+
 def statuses(engine: Engine) -> dict[str, str]:
     with engine.connect() as conn:
         return dict(conn.execute(select(m.c.idempotency_key, m.c.status)).all())
@@ -354,6 +371,59 @@ def test_list_pages_cover_every_row_exactly_once(seeded):
     seen = page + [r["id"] for r in rest]
     assert seen == ids_where(seeded.engine), "newest first, each row once"
     assert len(set(seen)) == len(seen) == 7
+
+
+def test_list_needs_decision_leaves_requeued_originals_out_and_every_listing_names_copies(seeded):
+    first, second = seeded.id("order:7"), seeded.id("order:8")
+    ((_, copy),) = ops.requeue(seeded.engine, ops.MessageFilter(ids=(first,)), reason="fixed", actor="t")
+    needing, needing_json, combined, elsewhere, dead_text, every_row = run_all(
+        [
+            ["list", "--needs-decision"],
+            ["list", "--needs-decision", "--json"],
+            ["list", "--needs-decision", "--status", "dead", "--queue", "billing", "--json"],
+            ["list", "--needs-decision", "--handler", "welcome_email", "--json"],
+            ["list", "--status", "dead"],
+            ["list", "--json"],
+        ],
+        seeded.url,
+    )
+    assert table_ids(ok(needing)) == [second]
+    assert [(r["id"], r["requeued_to"]) for r in ok_json(needing_json)] == [(second, None)]
+    assert [r["id"] for r in ok_json(combined)] == [second]
+    assert ok_json(elsewhere) == []
+
+    # Without the flag a requeued original is still listed, and says what became of it.
+    listing = ok(dead_text)
+    assert table_ids(listing) == [second, first]
+    marked = {int(line.split()[0]): line for line in listing.splitlines()[1:]}
+    assert f" dead, requeued as {copy} " in marked[first]
+    assert "requeued" not in marked[second]
+    rows = ok_json(every_row)
+    assert len(rows) == 8 and all("requeued_to" in r for r in rows), "the key is on every row"
+    assert {r["id"]: r["requeued_to"] for r in rows if r["requeued_to"] is not None} == {first: copy}
+    assert [r["requeued_from"] for r in rows if r["id"] == copy] == [first]
+
+
+@pytest.mark.parametrize("status", ["pending", "running", "delivered", "discarded"])
+def test_needs_decision_with_another_status_is_a_usage_error(status):
+    refused = run("list", "--needs-decision", "--status", status, database_url="sqlite://")
+    assert_one_line_error(refused, 2, "outbox list: error: --needs-decision", f"--status {status}")
+
+
+def test_a_delivered_messages_last_error_reads_as_history(seeded):
+    delivered = delivered_after_a_failure(seeded)
+    listing, shown, shown_json = run_all(
+        [["list", "--queue", "sms"], ["show", str(delivered)], ["show", str(delivered), "--json"]], seeded.url
+    )
+    (line,) = ok(listing).splitlines()[1:]
+    assert line.split()[1] == "delivered" and line.endswith("earlier error: SMS gateway timed out")
+    assert re.search(r"^\s+last_error: earlier error: SMS gateway timed out$", ok(shown), re.M)
+    assert re.search(r"^\s+requeued_to: None$", ok(shown), re.M)
+    message = ok_json(shown_json)["message"]
+    assert (message["last_error"], message["requeued_to"]) == ("SMS gateway timed out", None)
+    # A dead message's error is its failure, said as it is.
+    dead = ok(run("list", "--status", "dead", database_url=seeded.url))
+    assert "earlier error" not in dead and "order 7 is unknown to billing" in dead
 
 
 # -- show -----------------------------------------------------------------------------------------
@@ -514,9 +584,12 @@ def test_requeue_makes_a_new_message_and_leaves_the_old_row_untouched(seeded):
     assert requeued.detail == {"new_id": new, "previous_status": "dead", **login_of(engine)}
     assert history_of(engine, new) == []
 
-    shown = ok_json(run("show", str(old), "--json", database_url=seeded.url))
+    shown_json, shown_text = run_all([["show", str(old), "--json"], ["show", str(old)]], seeded.url)
+    shown = ok_json(shown_json)
     assert [h["outcome"] for h in shown["attempts"]] == ["failed", "dead", "requeued"]
     assert shown["attempts"][-1]["detail"]["new_id"] == new
+    assert (shown["message"]["status"], shown["message"]["requeued_to"]) == ("dead", new)
+    assert re.search(rf"^\s+requeued_to: {new}$", ok(shown_text), re.M)
 
     seeded.billing_fixed[0] = True
     seeded.deliver("billing")

@@ -39,7 +39,7 @@ from .._exceptions import ConfigurationError
 from .._first_line import first_line
 from .._migrations import missing_outbox_table, upgrade
 from .._urls import sync_engine
-from ._args import PROG, Failed, build_parser, database_url_from
+from ._args import PROG, Failed, build_parser, check_list_args, database_url_from
 from ._commands import COMMANDS
 from ._dashboard import check_dashboard_args
 
@@ -49,6 +49,8 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "list":
+        check_list_args(args)
     url = database_url_from(parser, args.database_url)
     if args.command == "dashboard":
         check_dashboard_args(parser, args)

@@ -165,6 +165,7 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
 
 def message_filter(args: argparse.Namespace, ids: Sequence[int] = ()) -> ops.MessageFilter:
     return ops.MessageFilter(
+        needs_decision=getattr(args, "needs_decision", False),  # only `list` has the flag
         status=args.status,
         handler=args.handler,
         event_type=args.event_type,
@@ -201,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="messages, newest first, filtered and paginated")
     _add_database(listing)
     _add_filters(listing)
+    listing.add_argument(
+        "--needs-decision",
+        action="store_true",
+        help="dead messages nobody has requeued yet (the dead that `outbox stats` counts)",
+    )
+    listing.set_defaults(command_parser=listing)  # check_list_args: its usage errors name `outbox list`
     listing.add_argument("--limit", type=_count, default=50, help="page size (default: 50)")
     listing.add_argument("--before-id", type=_message_id, help="next page: the last id of the previous one")
     listing.add_argument("--json", action="store_true")
@@ -288,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     purge.add_argument("--json", action="store_true")
     add_dashboard(commands, _add_database, _text)
     return parser
+
+
+def check_list_args(args: argparse.Namespace) -> None:
+    """Refuse, before any query, flags that contradict each other: no message could match them."""
+    if args.needs_decision and args.status not in (None, "dead"):
+        args.command_parser.error(
+            f"--needs-decision lists dead messages only; it cannot be combined with --status {args.status}"
+        )
 
 
 def database_url_from(parser: argparse.ArgumentParser, value: str | None) -> str:

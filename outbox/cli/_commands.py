@@ -69,6 +69,18 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def _status_of(status: str, requeued_to: int | None) -> str:
+    """A requeued original stays dead for the record; the copy's id says it has been dealt with."""
+    return status if requeued_to is None else f"{status}, requeued as {requeued_to}"
+
+
+def _error_of(status: str, last_error: str | None) -> str | None:
+    """A delivered message keeps the error of an attempt before the one that delivered it: history."""
+    if last_error is not None and status == "delivered":
+        return f"earlier error: {last_error}"
+    return last_error
+
+
 def _cmd_list(engine: Engine, args: argparse.Namespace) -> int:
     rows = ops.list_messages(engine, message_filter(args), limit=args.limit, before_id=args.before_id)
     if args.json:
@@ -78,12 +90,12 @@ def _cmd_list(engine: Engine, args: argparse.Namespace) -> int:
         [
             [
                 r.id,
-                r.status,
+                _status_of(r.status, r.requeued_to),
                 r.handler,
                 r.event_type,
                 f"{r.attempts}/{r.max_attempts}",
                 r.created_at,
-                r.last_error,
+                _error_of(r.status, r.last_error),
             ]
             for r in rows
         ],
@@ -105,7 +117,8 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
             }
         )
         return 0
-    for key, value in found.message.items():
+    message = {**found.message, "last_error": _error_of(found.message["status"], found.message["last_error"])}
+    for key, value in message.items():
         print(f"{key:>15}: {json.dumps(value, default=str) if isinstance(value, dict | list) else value}")
     print()
     rows: list[list[Any]] = []
@@ -142,8 +155,6 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
 _DETAIL_WIDTH = 60
 
 
-
-
 def _login_apart(detail: Any) -> tuple[Any, str | None]:
     """A history row's detail without ``db_user``, and that login: the table shows it beside the label.
 
@@ -154,6 +165,7 @@ def _login_apart(detail: Any) -> tuple[Any, str | None]:
         return detail, None
     rest = {k: v for k, v in detail.items() if k != "db_user"}
     return rest, detail["db_user"]
+
 
 def _pause_events(spans: Sequence[ops.PauseSpan]) -> list[tuple[datetime, list[Any]]]:
     """Each pause of the message's queue or handler as table rows: when it began, when it ended."""

@@ -20,7 +20,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from .. import ops
-from ._forms import BadInput, id_list, message_id, parse_list_query, reason_and_ids, text_param
+from ._forms import BadInput, dead_query, id_list, message_id, reason_and_ids, text_param
 from ._security import Action, cross_site_problem
 from ._settings import render, settings_of
 
@@ -98,7 +98,7 @@ async def retry_one(request: Request, form: FormData) -> Response:
 async def _bulk(request: Request, form: FormData, verb: str) -> Response:
     settings = settings_of(request)
     reason, chosen = reason_and_ids(form, [str(i) for i in form.getlist("id")])
-    query = parse_list_query(form, page_size=settings.page_size, status="dead")  # type: ignore[arg-type]
+    query = dead_query(form, page_size=settings.page_size)  # type: ignore[arg-type]
     confirmed = form.get("confirm")
     if form.get("scope") == "filter":  # the radio wins over boxes left ticked; a confirmation has no scope
         where = query.where

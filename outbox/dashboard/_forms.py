@@ -1,8 +1,8 @@
 """Query strings and forms into ``ops`` arguments, refusing bad input with a message a person can act on.
 
 List filters are named like the ``outbox list`` flags (``status``, ``queue``,
-``handler``, ``event_type``, ``where``...), so a URL reads like a command line
-and a bookmark is a saved query.
+``handler``, ``event_type``, ``where``, ``needs_decision``...), so a URL reads
+like a command line and a bookmark is a saved query.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "FILTER_FIELDS",
     "BadInput",
     "ListQuery",
+    "dead_query",
     "id_list",
     "message_id",
     "parse_list_query",
@@ -63,11 +64,12 @@ class ListQuery:
     limit: int
 
     def url(self, path: str, **changes: Any) -> str:
-        """This query with some parameters changed: pagination links, bookmarks."""
+        """This query with some parameters changed (``""`` drops one): pagination links, bookmarks."""
         pairs: list[tuple[str, str]] = [(k, v) for k, v in self.values.items() if v]
         pairs += [("where", w) for w in self.wheres]
         extra = {k: v for k, v in changes.items() if v is not None}
-        pairs = [(k, v) for k, v in pairs if k not in extra] + [(k, str(v)) for k, v in extra.items()]
+        pairs = [(k, v) for k, v in pairs if k not in extra]
+        pairs += [(k, str(v)) for k, v in extra.items() if v != ""]
         return f"{path}?{urlencode(pairs)}" if pairs else path
 
     @property
@@ -116,10 +118,26 @@ def id_list(name: str, value: str) -> list[int]:
     return [whole(name, item) for item in value.split(",") if item.strip()]
 
 
+def _needs_decision(value: str, default: bool) -> bool:
+    if not value:
+        return default
+    if value not in ("0", "1"):
+        raise BadInput(f"needs_decision: 1 (only dead messages nobody has requeued) or 0, got {value[:40]!r}")
+    return value == "1"
+
+
 def parse_list_query(
-    params: Mapping[str, str] | ImmutableMultiDict[str, str], *, page_size: int, status: str | None = None
+    params: Mapping[str, str] | ImmutableMultiDict[str, str],
+    *,
+    page_size: int,
+    status: str | None = None,
+    needs_decision: bool = False,
 ) -> ListQuery:
-    """``status`` forces one status (the dead-letter page) whatever the query says."""
+    """``status`` forces one status (the dead-letter page) whatever the query says.
+
+    ``needs_decision`` is what the query means without a ``needs_decision``
+    parameter; only a value that differs from it is kept in the query's URLs.
+    """
     get = params.get
     multi = params.getlist("where") if isinstance(params, ImmutableMultiDict) else []
     values = {name: (get(name) or "").strip() for name, _ in FILTER_FIELDS}
@@ -127,6 +145,12 @@ def parse_list_query(
         values["status"] = status
     if values["status"] and values["status"] not in MESSAGE_STATUSES:
         raise BadInput(f"status: one of {', '.join(MESSAGE_STATUSES)}, got {values['status']!r}")
+    deciding = _needs_decision((get("needs_decision") or "").strip(), needs_decision)
+    if deciding and values["status"] not in ("", "dead"):
+        raise BadInput(
+            f"needs_decision: only dead messages need a decision; status={values['status']} matches none"
+        )
+    values["needs_decision"] = "" if deciding == needs_decision else str(int(deciding))
     texts = {name: text_param(name, values[name]) or None for name in _TEXT_FIELDS}
     wheres = [text_param("where", w.strip()) for w in multi if w.strip()]
     try:
@@ -147,6 +171,7 @@ def parse_list_query(
         aggregate_id=texts["aggregate_id"],
         key=texts["key"],
         group_key=texts["group_key"],
+        needs_decision=deciding,
     )
     return ListQuery(
         where=where,
@@ -155,6 +180,15 @@ def parse_list_query(
         before_id=whole("before_id", before_text) if before_text else None,
         limit=whole("limit", limit_text, high=500) if limit_text else page_size,
     )
+
+
+def dead_query(params: Mapping[str, str] | ImmutableMultiDict[str, str], *, page_size: int) -> ListQuery:
+    """The dead-letter page's query: dead messages, only those needing a decision unless ``needs_decision=0``.
+
+    The page, its count and its bulk actions all read it here, so an action by
+    filter touches what the page listed.
+    """
+    return parse_list_query(params, page_size=page_size, status="dead", needs_decision=True)
 
 
 def reason_and_ids(form: Mapping[str, Any], ids: Sequence[str]) -> tuple[str, list[int]]:

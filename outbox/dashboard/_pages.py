@@ -13,7 +13,15 @@ from starlette.routing import Route
 
 from .. import ops
 from .._tables import MESSAGE_STATUSES
-from ._forms import FILTER_FIELDS, BadInput, ListQuery, message_id, parse_list_query, text_param
+from ._forms import (
+    FILTER_FIELDS,
+    BadInput,
+    ListQuery,
+    dead_query,
+    message_id,
+    parse_list_query,
+    text_param,
+)
 from ._overview import Cached, overview_data
 from ._settings import render, settings_of
 
@@ -76,8 +84,10 @@ async def count(request: Request) -> Response:
     """How many messages a list's filter matches, up to the cap: a page of its own, fetched by the list."""
     settings = settings_of(request)
     page = "dead" if request.url.path.rstrip("/").endswith("/dead/count") else "messages"
-    status = "dead" if page == "dead" else None
-    query = parse_list_query(request.query_params, page_size=settings.page_size, status=status)
+    if page == "dead":
+        query = dead_query(request.query_params, page_size=settings.page_size)
+    else:
+        query = parse_list_query(request.query_params, page_size=settings.page_size)
     found = await run_in_threadpool(
         lambda: ops.count_messages(settings.engine, query.where, cap=settings.count_cap)
     )
@@ -86,9 +96,8 @@ async def count(request: Request) -> Response:
     )
 
 
-async def _list_page(request: Request, template: str, page: str, status: str | None) -> HTMLResponse:
+async def _list_page(request: Request, template: str, page: str, query: ListQuery) -> HTMLResponse:
     settings = settings_of(request)
-    query = parse_list_query(request.query_params, page_size=settings.page_size, status=status)
     data = await run_in_threadpool(_listing, settings.engine, query, settings.count_cap)
     path = f"/{page}"
     next_url = query.url(path, before_id=data["rows"][-1].id) if data["more"] else None
@@ -107,18 +116,23 @@ async def _list_page(request: Request, template: str, page: str, status: str | N
         self_url=query.url(path),
         cap=settings.count_cap,
         bulk_cap=settings.bulk_cap,
+        # The dead-letter page's switch: the same filters, with or without the requeued originals.
+        needing_url=query.url(path, needs_decision=""),
+        all_dead_url=query.url(path, needs_decision="0"),
         **data,
     )
 
 
 @readable
 async def messages(request: Request) -> Response:
-    return await _list_page(request, "messages.html", "messages", None)
+    query = parse_list_query(request.query_params, page_size=settings_of(request).page_size)
+    return await _list_page(request, "messages.html", "messages", query)
 
 
 @readable
 async def dead_letters(request: Request) -> Response:
-    return await _list_page(request, "dead.html", "dead", "dead")
+    query = dead_query(request.query_params, page_size=settings_of(request).page_size)
+    return await _list_page(request, "dead.html", "dead", query)
 
 
 def _detail(engine: Any, mid: int, secrets: tuple[str, ...]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Column, ColumnElement, Table, Text, cast, select
+from sqlalchemy import Column, ColumnElement, Table, Text, cast, func, select
 
 from .._exceptions import OutboxError
 from .._redact import TOO_DEEP
@@ -101,6 +101,25 @@ def _has_copy() -> ColumnElement[bool]:
     """True for an ``outbox_message`` row that a requeued copy points at (ix_outbox_message_requeued_from)."""
     copy = m.alias("requeued_copy")
     return select(copy.c.id).where(copy.c.requeued_from == m.c.id).exists()
+
+
+def _needs_decision() -> list[ColumnElement[bool]]:
+    """Dead with no requeued copy: what ``stats().dead`` counts and an operator still has to decide on.
+
+    A discarded message is decided by its status; a requeued original stays
+    ``dead`` for the record, so only the copy pointing back at it tells.
+    """
+    return [m.c.status == "dead", ~_has_copy()]
+
+
+def _copy_id() -> ColumnElement[int]:
+    """The id of the copy a requeue made of an ``outbox_message`` row, or NULL.
+
+    One lookup in ix_outbox_message_requeued_from per row. A message is copied
+    at most once; ``min`` keeps the value single all the same.
+    """
+    copy = m.alias("requeued_as")
+    return select(func.min(copy.c.id)).where(copy.c.requeued_from == m.c.id).scalar_subquery()
 
 
 def _check_reason(reason: str, actor: str) -> None:

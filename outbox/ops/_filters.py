@@ -22,6 +22,7 @@ from ._base import (
     NotFound,
     OpsError,
     _has_copy,
+    _needs_decision,
     _now,
     a,
     m,
@@ -35,6 +36,9 @@ class MessageFilter:
 
     ``payload`` holds conditions on values inside the payload
     (:func:`parse_where` reads the command line's ``payload.PATH=VALUE``).
+    ``needs_decision`` keeps the dead messages nobody has requeued yet, the
+    ones :func:`stats` counts as ``dead``: a requeued original stays ``dead``
+    for the record, and a status filter alone cannot tell it apart.
     """
 
     status: str | None = None
@@ -49,12 +53,17 @@ class MessageFilter:
     created_before: datetime | None = None
     ids: Sequence[int] = field(default_factory=tuple)
     payload: Sequence[PayloadEquals] = field(default_factory=tuple)
+    needs_decision: bool = False
 
     def apply(self, stmt: Select[Any]) -> Select[Any]:
         from .._tables import MESSAGE_STATUSES
 
         if self.status is not None and self.status not in MESSAGE_STATUSES:
             raise OpsError(f"unknown status {self.status!r}; one of {', '.join(MESSAGE_STATUSES)}")
+        if self.needs_decision and self.status not in (None, "dead"):
+            raise OpsError(
+                f"only dead messages need a decision; needs_decision cannot match status {self.status!r}"
+            )
         for column, value in (
             (m.c.status, self.status),
             (m.c.handler, self.handler),
@@ -75,6 +84,8 @@ class MessageFilter:
             stmt = stmt.where(m.c.id.in_(list(self.ids)))
         for condition in self.payload:
             stmt = stmt.where(condition.condition())
+        if self.needs_decision:
+            stmt = stmt.where(*_needs_decision())
         return stmt
 
     @property
@@ -82,6 +93,7 @@ class MessageFilter:
         return not (
             self.ids
             or self.payload
+            or self.needs_decision
             or any(
                 v is not None
                 for v in (

@@ -15,6 +15,7 @@ from .._tables import status_is_one_of
 from ._base import (
     NotFound,
     OpsError,
+    _copy_id,
     _has_copy,
     _now,
     a,
@@ -133,7 +134,12 @@ def stats(engine: Engine, *, counts: bool = True) -> Stats:
 def list_messages(
     engine: Engine, where: MessageFilter | None = None, *, limit: int = 50, before_id: int | None = None
 ) -> list[Row[Any]]:
-    """Newest first. Page with ``before_id`` = the last id of the previous page (stable under inserts)."""
+    """Newest first. Page with ``before_id`` = the last id of the previous page (stable under inserts).
+
+    Each row carries ``requeued_to``, the id of the copy a requeue made of it
+    (None when there is none): a requeued original stays ``dead``, and this is
+    what tells a reader it has been dealt with.
+    """
     if limit < 1:
         raise OpsError(f"limit must be at least 1, got {limit}")
     stmt = (where or MessageFilter()).apply(
@@ -151,6 +157,7 @@ def list_messages(
             m.c.available_at,
             m.c.last_error,
             m.c.requeued_from,
+            _copy_id().label("requeued_to"),
         )
     )
     if before_id is not None:
@@ -170,6 +177,9 @@ class MessageHistory:
 def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> MessageHistory:
     """A message (payload and headers with secret-looking fields masked), its attempts in order, its pauses.
 
+    The message holds every column and ``requeued_to``, the id of the copy a
+    requeue made of it (None when there is none).
+
     ``pauses`` are the pauses of the message's queue or handler that overlapped
     its unfinished life (from ``created_at`` to its last update once delivered,
     dead or discarded; to now otherwise), read from the pause log: nothing is
@@ -177,7 +187,8 @@ def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> Mes
     """
     redactor = Redactor(secrets)
     with engine.connect() as conn:
-        row = conn.execute(select(*as_text(m, "payload", "headers")).where(m.c.id == message_id)).first()
+        columns = [*as_text(m, "payload", "headers"), _copy_id().label("requeued_to")]
+        row = conn.execute(select(*columns).where(m.c.id == message_id)).first()
         if row is None:
             raise NotFound(f"no message with id {message_id}")
         attempts = list(
