@@ -8,8 +8,10 @@ States per key::
 
 While open, :meth:`CircuitBreaker.acquire` raises :class:`CircuitOpen` with the
 seconds left. After the cooldown exactly one caller gets a trial permit; the
-others keep getting :class:`CircuitOpen` until the trial reports. A trial that
-never reports (its caller was cancelled) stops blocking after another cooldown.
+others keep getting :class:`CircuitOpen` until the trial reports, told to ask
+again within ``TRIAL_WAIT`` (a second), so a successful trial lets them all
+through at once instead of a cool-down later. A trial that never reports (its
+caller was cancelled) stops blocking after another cooldown.
 
 Thread-safe (one ``threading.Lock``), with no asyncio state: the same breaker
 serves async handlers on any event loop and plain handlers on worker threads.
@@ -38,6 +40,9 @@ from dataclasses import dataclass
 from outbox import ConfigurationError
 
 __all__ = ["CircuitBreaker", "CircuitOpen", "Permit"]
+
+#: While a half-open trial is in flight, the others ask again after this many seconds (at most).
+TRIAL_WAIT = 1.0
 
 log = logging.getLogger("outbox.integrations.breaker")
 
@@ -107,6 +112,8 @@ class CircuitBreaker:
             raise ConfigurationError(f"breaker_cooldown must be a number of seconds > 0, got {cooldown!r}")
         self.threshold = threshold
         self.cooldown = float(cooldown)
+        #: how long a caller turned away during a half-open trial waits before asking again
+        self.trial_wait = min(TRIAL_WAIT, self.cooldown)
         self._clock = clock
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
@@ -125,8 +132,11 @@ class CircuitBreaker:
             if remaining > 0:
                 raise CircuitOpen(key, remaining)
             if state.trial_started is not None and now - state.trial_started < self.cooldown:
-                # Someone is already probing: come back when that trial must have reported.
-                raise CircuitOpen(key, state.trial_started + self.cooldown - now, half_open=True)
+                # Someone is already probing. Come back soon, not when the trial must have reported:
+                # a trial that succeeds closes the breaker at once, and the messages waiting behind it
+                # should follow within a moment, not a whole cool-down later.
+                left = state.trial_started + self.cooldown - now
+                raise CircuitOpen(key, min(left, self.trial_wait), half_open=True)
             state.trial_started = now
             return Permit(self, key, trial=True)
 

@@ -85,6 +85,27 @@ _PERMANENT = frozenset(
 )
 # Errors librdkafka remembers for the topic until its next metadata refresh (every 5 minutes by
 # default): every retry until then would be refused locally, so a refresh is asked for at once.
+#: The brokers cannot be reached or cannot take writes right now: nothing is known about the message,
+#: so the deferral uses up no attempt (a broker outage of any length kills no message).
+UNAVAILABLE = frozenset(
+    {
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._RESOLVE,
+        KafkaError.BROKER_NOT_AVAILABLE,
+        KafkaError.NETWORK_EXCEPTION,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.NOT_ENOUGH_REPLICAS,
+        KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+    }
+)
+#: How long a message deferred by unavailable brokers waits: the producer reconnects meanwhile.
+UNAVAILABLE_RETRY = 2.0
+
 _TOPIC_STATE = frozenset(
     {
         KafkaError.TOPIC_AUTHORIZATION_FAILED,
@@ -322,7 +343,10 @@ class KafkaPublisher:
             )
         except BufferError:
             raise RetryLater(
-                "the Kafka producer's local queue is full", detail={"reason": "queue_full", "topic": topic}
+                "the Kafka producer's local queue is full; not counted",
+                delay=UNAVAILABLE_RETRY,
+                counts_as_attempt=False,
+                detail={"reason": "queue_full", "topic": topic},
             ) from None
         except KafkaException as exc:
             self._refused(exc.args[0], topic, session)
@@ -331,7 +355,10 @@ class KafkaPublisher:
                 err, partition, offset = await future
         except TimeoutError:
             raise RetryLater(
-                f"no delivery report from Kafka within {self.delivery_timeout:g}s",
+                f"no delivery report from Kafka within {self.delivery_timeout:g}s "
+                "(brokers unreachable or not taking writes); not counted",
+                delay=UNAVAILABLE_RETRY,
+                counts_as_attempt=False,
                 detail={"reason": "timeout", "topic": topic},
             ) from None
         if err is not None:
@@ -350,4 +377,11 @@ class KafkaPublisher:
             raise PermanentError(text, detail=detail)
         if err.code() in _TOPIC_STATE:
             session.refresh(topic)
+        if err.code() in UNAVAILABLE:
+            raise RetryLater(
+                f"{text}; not counted",
+                delay=UNAVAILABLE_RETRY,
+                counts_as_attempt=False,
+                detail={**detail, "reason": "unavailable"},
+            )
         raise RetryLater(text, detail=detail)

@@ -19,11 +19,13 @@ counts as delivered too (the first copy is stored), recorded as
 
 =====================================  ==============================================================
 acked (stored, or a duplicate)         delivered; detail: subject, stream, seq, duplicate, msg_id
-no ack within ``publish_timeout``      retried (the server may have stored it: the retry is deduped)
-connection down or reconnecting        retried after a second, without waiting for a timeout, and
-                                       not counted as an attempt (nothing was sent)
+no ack within ``publish_timeout``      retried (the server may have stored it: the retry is deduped);
+                                       not counted when the connection went down meanwhile
+connection down, reconnecting, lost    retried after a second, without waiting for a timeout, and
+mid-publish                            not counted as an attempt (nothing is known of the message)
 no stream captures the subject         dead with the reason (a stream is configuration: create it,
-                                       then requeue); a JetStream that does not answer is retried
+                                       then requeue); a JetStream that does not answer yet (a
+                                       restarting server) is retried, not counted
 JetStream refuses it (400: expected    dead with the server's description
 stream mismatch, message too large)
 other JetStream errors (503, limits)   retried
@@ -68,6 +70,16 @@ log = logging.getLogger("outbox.integrations.nats")
 BLOCKED_RETRY = 60.0
 #: Seconds between reconnection attempts, and before a delivery that found the connection down is retried.
 RECONNECT_WAIT = 1.0
+#: The connection is down or going down: a publish that fails with these says nothing about the message.
+_CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    OSError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionDrainingError,
+    nats.errors.NoServersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+)
 _SCHEMES = ("nats", "tls", "ws", "wss")
 _RESERVED_OPTIONS = frozenset(
     {"servers", "allow_reconnect", "max_reconnect_attempts", "error_cb", "disconnected_cb", "reconnected_cb"}
@@ -231,6 +243,13 @@ class NatsPublisher:
         except nats.js.errors.NoStreamResponseError:
             raise await self._no_stream(js, subject, base) from None
         except TimeoutError:
+            if not client.is_connected:  # the connection went down meanwhile: nothing known of the message
+                raise RetryLater(
+                    f"no JetStream ack for {subject!r}: the connection went down; not counted",
+                    delay=RECONNECT_WAIT,
+                    counts_as_attempt=False,
+                    detail={**base, "reason": "disconnected"},
+                ) from None
             raise RetryLater(
                 f"no JetStream ack for {subject!r} within {self.publish_timeout:g}s",
                 detail={**base, "reason": "ack_timeout"},
@@ -247,10 +266,17 @@ class NatsPublisher:
                 f"message is larger than the server's max_payload ({client.max_payload} bytes)",
                 detail={**base, "reason": "too_large"},
             ) from None
-        except (nats.errors.Error, OSError) as exc:
+        except _CONNECTION_ERRORS as exc:
+            raise RetryLater(
+                f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}; not counted",
+                delay=RECONNECT_WAIT,
+                counts_as_attempt=False,
+                detail={**base, "reason": "connection"},
+            ) from None
+        except nats.errors.Error as exc:
             raise RetryLater(
                 f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}",
-                detail={**base, "reason": "connection"},
+                detail={**base, "reason": "error"},
             ) from None
         return {**base, "stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
 
@@ -271,11 +297,16 @@ class NatsPublisher:
             )
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             return RetryLater(
-                f"JetStream did not answer for {subject!r} ({type(exc).__name__}); not available yet?",
+                f"JetStream did not answer for {subject!r} ({type(exc).__name__}); not available yet? "
+                "not counted",
+                delay=RECONNECT_WAIT,
+                counts_as_attempt=False,
                 detail={**base, "reason": "jetstream_unavailable"},
             )
         return RetryLater(
-            f"stream {found!r} captures {subject!r} but did not answer the publish; recovering?",
+            f"stream {found!r} captures {subject!r} but did not answer the publish; recovering? not counted",
+            delay=RECONNECT_WAIT,
+            counts_as_attempt=False,
             detail={**base, "reason": "jetstream_unavailable"},
         )
 

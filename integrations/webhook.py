@@ -257,8 +257,9 @@ class WebhookHandler:
         try:
             permit = self.breaker.acquire(target.destination)
         except CircuitOpen as exc:
+            state = "half-open, a trial request is in flight" if exc.half_open else "open"
             raise RetryLater(
-                f"circuit breaker for {target.destination} is open; not sending",
+                f"circuit breaker for {target.destination} is {state}; not sending",
                 delay=exc.remaining,
                 detail={
                     "breaker": "half-open" if exc.half_open else "open",

@@ -226,10 +226,15 @@ def test_writes_refused_for_longer_than_delivery_timeout_are_retried(engine, ob,
     cluster.push_errors(PRODUCE, *[KafkaError.NOT_ENOUGH_REPLICAS] * 100_000)
     Relay(ob, engine).run_until_idle()
     (first,) = history(engine)
+    # The brokers would not take writes: a deferral that uses up no attempt.
     assert first.outcome == "retry" and as_reported(first.detail) == {
         "topic": TOPIC,
         "error": "_MSG_TIMED_OUT",
+        "reason": "unavailable",
+        "counted": False,
     }
+    with engine.connect() as conn:
+        assert conn.execute(select(m.c.attempts)).scalar_one() == 0
 
     cluster.clear_errors(PRODUCE)
     make_due(engine)

@@ -32,7 +32,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
-from outbox import Backoff, Outbox, PermanentError, emit, ops
+from outbox import Backoff, Message, Outbox, PermanentError, RetryLater, emit, ops
 from outbox._redact import DEPTH_SHOWN, TOO_DEEP
 from outbox.cli import main as outbox_main
 from outbox.relay import Relay
@@ -902,3 +902,32 @@ def test_a_reader_that_stops_early_gets_no_traceback(migrated_sqlite):
         stderr = proc.stderr.read()
         assert proc.wait(timeout=60) == 1, stderr
         assert stderr == "", stderr
+
+
+def test_show_labels_a_deferral_that_used_no_attempt(database_url, engine):
+    """An unavailable destination defers without using an attempt; show must not number it as one."""
+    ob = Outbox(default_backoff=FAST)
+    calls: list[int] = []
+
+    def flaky(msg: Message) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RetryLater("receiver unavailable", delay=0, counts_as_attempt=False)
+
+    ob.route("e", flaky, name="partner")
+    maker: sessionmaker[Session] = sessionmaker(engine)
+    ob.install(maker)
+    try:
+        with maker.begin() as s:
+            emit(s, "e", {"n": 1})
+    finally:
+        ob.uninstall(maker)
+    for _ in range(3):
+        Relay(ob, engine).run_until_idle()
+    with engine.connect() as conn:
+        mid = conn.execute(select(m.c.id)).scalar_one()
+    out = ok(run("show", str(mid), database_url=database_url))
+    lines = [line.split() for line in out.splitlines() if line.startswith("1 ")]
+    assert len(lines) == 2
+    assert lines[0][:4] == ["1", "not", "counted", "deferred"]
+    assert lines[1][:2] == ["1", "delivered"]

@@ -867,8 +867,10 @@ def test_breaker_half_open_admits_one_trial():
     now[0] = 10.0
     trial = breaker.acquire("h")
     assert trial.trial
-    with pytest.raises(CircuitOpen, match="half-open"):
+    with pytest.raises(CircuitOpen, match="half-open") as waiting:
         breaker.acquire("h")
+    # Asked to come back within a second, not when the trial's own cooldown would end.
+    assert waiting.value.remaining == 1.0
     trial.failure()  # a failed trial reopens for a full cooldown
     now[0] = 15.0
     with pytest.raises(CircuitOpen):

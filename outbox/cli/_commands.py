@@ -133,10 +133,11 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
             details.append((f"attempt {h['attempt']} ({h['outcome']})", json.dumps(reported, indent=2)))
             detail = f"(below: {len(detail)} characters)"
         by = h["relay_id"] or h["actor"]
+        uncounted = isinstance(reported, dict) and reported.get("counted") is False
         rows.append(
             [
-                h["attempt"],
-                h["outcome"],
+                f"{h['attempt']} not counted" if uncounted else h["attempt"],
+                "deferred" if uncounted else h["outcome"],
                 h["started_at"],
                 h["duration_ms"],
                 f"{by} ({login})" if login is not None and login != by else by,
