@@ -97,9 +97,23 @@ def _detail(stage: str, code: int | None = None, text: str | None = None, **extr
     return {**found, **extra}
 
 
+#: Stages before the message is named to the server (MAIL FROM): a failure there says nothing about
+#: the message (the server is down, busy or unreachable), so its deferral uses up no attempt.
+BEFORE_THE_MESSAGE = frozenset({"connect", "ehlo", "starttls"})
+#: How long a message waits when the server was unavailable before it heard of the message.
+UNAVAILABLE_RETRY = 5.0
+
+
 def _reply_error(stage: str, code: int, raw: bytes | str, scrub: Callable[[str], str]) -> NoReturn:
     text = scrub(_text(raw))
     detail = _detail(stage, code, text)
+    if code == 421 and stage in BEFORE_THE_MESSAGE:  # "service not available" before the message
+        raise RetryLater(
+            f"SMTP {code} at {stage}: {text}; not counted",
+            delay=UNAVAILABLE_RETRY,
+            counts_as_attempt=False,
+            detail={**detail, "reason": "unavailable"},
+        )
     if 400 <= code < 500:
         raise RetryLater(f"SMTP {code} at {stage}: {text}", detail=detail)
     raise PermanentError(f"SMTP {code} at {stage}: {text}", detail=detail)
@@ -207,6 +221,13 @@ def _connection_failed(
     timed_out = isinstance(exc, TimeoutError) or isinstance(exc.__context__, TimeoutError)
     kind = "timeout" if timed_out else type(exc).__name__
     text = scrub(_text(str(exc) or kind))
+    if stage in BEFORE_THE_MESSAGE:  # refused, reset or silent before the message was named
+        raise RetryLater(
+            f"SMTP connection to {settings.host}:{settings.port} failed at {stage}: {text}; not counted",
+            delay=UNAVAILABLE_RETRY,
+            counts_as_attempt=False,
+            detail=_detail(stage, error=kind, smtp_message=text, reason="unavailable"),
+        ) from None
     raise RetryLater(
         f"SMTP connection to {settings.host}:{settings.port} failed at {stage}: {text}",
         detail=_detail(stage, error=kind, smtp_message=text),

@@ -20,7 +20,8 @@ secret. What happens next depends on the answer:
 3xx                           dead: redirects are never followed
 410 Gone                      dead, logged as ``webhook_gone``: the receiver retired the URL
 other 4xx                     dead
-connection error, timeout     retried
+cannot connect, DNS failure   rescheduled without using an attempt (the receiver is down)
+connection lost, timeout      retried
 refused by the SSRF guard     dead, the reason recorded
 breaker open, rate limited    rescheduled without using an attempt (``counts_as_attempt=False``)
 all connections busy          rescheduled without using an attempt, nothing sent
@@ -76,6 +77,8 @@ __all__ = [
 #: rescheduled (``CONNECTIONS_BUSY_RETRY`` later), so a full destination never holds it for long.
 MAX_CONNECTION_WAIT = 5.0
 CONNECTIONS_BUSY_RETRY = 1.0
+#: How long a message waits when its receiver could not be reached (until the breaker takes over).
+UNREACHABLE_RETRY = 2.0
 _WEBHOOK_ID_NAMESPACE = uuid.UUID("7b1c6f0e-3a52-4c0b-9d1e-5f0a9b8c2d41")
 
 
@@ -370,7 +373,26 @@ class WebhookHandler:
                 str(exc), detail={"reason": "ssrf_refused", "host": target.authority, "refused": exc.reason}
             ) from None
         except ResolutionFailed as exc:
-            raise RetryLater(str(exc), detail={"reason": "dns", "host": target.authority}) from exc
+            raise RetryLater(
+                f"{exc}; not counted",
+                delay=UNREACHABLE_RETRY,
+                counts_as_attempt=False,
+                detail={"reason": "dns", "host": target.authority},
+            ) from exc
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            if _tls_refused(exc):  # a certificate or TLS set-up problem is configuration, not an outage
+                raise RetryLater(
+                    f"connection to {target.authority} failed: {type(exc).__name__}: {exc}",
+                    detail={"reason": "connection", "host": target.authority},
+                ) from exc
+            # Refused, reset or unanswered before a byte of the request went out: the receiver is
+            # down or unreachable, which says nothing about the message (the breaker counts it).
+            raise RetryLater(
+                f"cannot connect to {target.authority}: {type(exc).__name__}: {exc}; not counted",
+                delay=UNREACHABLE_RETRY,
+                counts_as_attempt=False,
+                detail={"reason": "unreachable", "host": target.authority},
+            ) from exc
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise RetryLater(
                 f"no response from {target.authority} within {self.timeout:g}s",
@@ -381,3 +403,15 @@ class WebhookHandler:
                 f"connection to {target.authority} failed: {type(exc).__name__}: {exc}",
                 detail={"reason": "connection", "host": target.authority},
             ) from exc
+
+
+def _tls_refused(exc: BaseException) -> bool:
+    """Whether a failed connection failed in its TLS handshake (a certificate, a protocol)."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "SSL" in str(exc) or "certificate" in str(exc)

@@ -938,3 +938,43 @@ def test_bad_configuration_fails_at_construction(options: dict[str, Any], match:
 def test_a_missing_templates_folder_fails_at_construction(tmp_path):
     with pytest.raises(ConfigurationError, match="templates folder"):
         EmailHandler(sender="a@example.com", templates=tmp_path / "missing")
+
+
+def test_a_server_that_is_down_or_busy_before_the_message_costs_no_attempt():
+    """Refused, or '421 busy' at the greeting: nothing is known of the message, so no attempt is used."""
+    handler = EmailHandler("127.0.0.1", free_port(), sender="shop@example.com", timeout=2)
+    with pytest.raises(RetryLater) as refused:
+        handler(a_message())
+    assert not refused.value.counts_as_attempt and refused.value.detail["reason"] == "unavailable"
+    assert "not counted" in str(refused.value)
+
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+
+        def greet_busy() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"421 mail.example.com too busy, try later\r\n")
+
+        greeter = threading.Thread(target=greet_busy, daemon=True)
+        greeter.start()
+        busy = EmailHandler("127.0.0.1", listener.getsockname()[1], sender="shop@example.com", timeout=2)
+        with pytest.raises(RetryLater) as turned_away:
+            busy(a_message())
+        greeter.join(5)
+    assert not turned_away.value.counts_as_attempt
+    assert (
+        turned_away.value.detail["smtp_code"] == 421 and turned_away.value.detail["smtp_stage"] == "connect"
+    )
+
+
+def test_a_temporary_refusal_of_the_message_itself_still_counts(smtp):
+    """A 4xx once the server has heard of the message is about the message: a counted attempt."""
+    smtp.script.data_replies = ["451 4.3.0 mailbox temporarily unavailable"]
+    handler = EmailHandler("127.0.0.1", smtp.port, sender="shop@example.com")
+    with pytest.raises(RetryLater) as raised:
+        handler(a_message())
+    assert raised.value.counts_as_attempt and raised.value.detail["smtp_stage"] == "data"

@@ -492,14 +492,16 @@ def test_hanging_endpoint_times_out_and_is_retried(engine, ob, maker, receiver):
     assert second.outcome == "delivered"
 
 
-def test_connection_refused_is_transient():
+def test_connection_refused_is_transient_and_uses_no_attempt():
     with socket.socket() as sock:  # a port on 127.0.0.1 that nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     handler = WebhookHandler(f"http://127.0.0.1:{port}/", SECRET, allowed_networks=LOCAL)
-    with pytest.raises(RetryLater, match="connection to 127.0.0.1") as raised:
+    with pytest.raises(RetryLater, match="cannot connect to 127.0.0.1") as raised:
         call(handler, message({"n": 1}))
-    assert raised.value.detail == {"reason": "connection", "host": f"127.0.0.1:{port}"}
+    # The receiver is down: that says nothing about the message, so no attempt is used.
+    assert raised.value.detail == {"reason": "unreachable", "host": f"127.0.0.1:{port}"}
+    assert not raised.value.counts_as_attempt
 
 
 # -- SSRF guard -----------------------------------------------------------------------------
