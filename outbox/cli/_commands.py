@@ -142,8 +142,6 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
 _DETAIL_WIDTH = 60
 
 
-
-
 def _login_apart(detail: Any) -> tuple[Any, str | None]:
     """A history row's detail without ``db_user``, and that login: the table shows it beside the label.
 
@@ -154,6 +152,7 @@ def _login_apart(detail: Any) -> tuple[Any, str | None]:
         return detail, None
     rest = {k: v for k, v in detail.items() if k != "db_user"}
     return rest, detail["db_user"]
+
 
 def _pause_events(spans: Sequence[ops.PauseSpan]) -> list[tuple[datetime, list[Any]]]:
     """Each pause of the message's queue or handler as table rows: when it began, when it ended."""
@@ -187,13 +186,14 @@ def _print_acted(args: argparse.Namespace, done: Sequence[Any]) -> None:
             _print_json({"retried_now": list(done)})
         else:
             print(f"{len(done)} message(s) due now" + (f": {', '.join(map(str, done))}" if done else ""))
-    elif args.command == "requeue":
+    elif args.command in ("requeue", "resend"):
         if args.json:
             _print_json([{"old_id": old, "new_id": new} for old, new in done])
             return
+        did = "requeued" if args.command == "requeue" else "resent"
         for old, new in done:
-            print(f"requeued {old} as {new}")
-        print(f"{len(done)} message(s) requeued")
+            print(f"{did} {old} as {new}")
+        print(f"{len(done)} message(s) {did}")
     elif args.json:
         _print_json({"discarded": list(done)})
     else:
@@ -225,6 +225,8 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
         _print_acted(args, acted)
     elif args.command == "requeue":
         _print_acted(args, ops.requeue(engine, where, reason=args.reason, actor=actor))
+    elif args.command == "resend":
+        _print_acted(args, ops.resend(engine, where, reason=args.reason, actor=actor))
     else:
         _print_acted(args, ops.discard(engine, where, reason=args.reason, actor=actor))
     return 0
@@ -336,6 +338,7 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "list": _cmd_list,
     "show": _cmd_show,
     "requeue": _cmd_act,
+    "resend": _cmd_act,
     "discard": _cmd_act,
     "retry-now": _cmd_act,
     "tail": _cmd_tail,
