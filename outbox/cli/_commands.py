@@ -238,6 +238,9 @@ def _tail_line(entry: ops.HistoryEntry) -> str:
     if entry.actor is not None:  # an operator's action
         said = f"by {entry.actor}: {entry.reason or ''}"
     first_line = said.strip().splitlines()[0] if said.strip() else ""
+    copy = _copy_named(entry.outcome, entry.detail)
+    if copy is not None:  # requeued or resent: which message carries the delivery on
+        first_line = f"{first_line[:280]} (as #{copy})"
     fields = [
         entry.time.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
         f"#{entry.message_id}",
@@ -249,6 +252,14 @@ def _tail_line(entry: ops.HistoryEntry) -> str:
         first_line[:300],
     ]
     return "  ".join(fields).rstrip()
+
+
+def _copy_named(outcome: str, detail: Any) -> int | None:
+    """The copy a ``requeued`` or ``resent`` history row names (``detail.new_id``), else None."""
+    if outcome not in ("requeued", "resent") or not isinstance(detail, dict):
+        return None
+    new_id = detail.get("new_id")
+    return new_id if isinstance(new_id, int) and not isinstance(new_id, bool) else None
 
 
 def _cmd_tail(engine: Engine, args: argparse.Namespace) -> int:
