@@ -200,7 +200,8 @@ BEGIN
             copy_key := copy_keys[i] || suffix;
         END IF;
         IF length(copy_key) > 255 THEN
-            RAISE EXCEPTION 'outbox resend: the root key given for message % leaves no room for %', old.id, suffix
+            RAISE EXCEPTION 'outbox resend: the root key given for message % leaves no room for %',
+                            old.id, suffix
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
         INSERT INTO {s}.outbox_message
