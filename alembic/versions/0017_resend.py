@@ -20,11 +20,12 @@ discarded, inserts the copy and writes the ``resent`` row with the database
 clock and the login (``detail.db_user``). A message may be resent any number
 of times, so the copy's key suffix names the copy itself: ``~resend:<new id>``,
 unique by construction however often the original is resent. The function
-takes the id from the table's identity sequence before inserting, so the key
-is right in the one insert. ``copy_keys`` carries, per message, the original's
-``outbox.ops.root_key`` (NULL for a message without a key): the copy's key
-starts with it instead of the original's key when that key and the suffix
-would not fit the column together, as requeue's keys do.
+takes the id from the table's identity sequence (named in the function as the
+migration finds it) before inserting, so the key is right in the one insert.
+``copy_keys`` carries, per message, the original's ``outbox.ops.root_key``
+(NULL for a message without a key): the copy's key starts with it instead of
+the original's key when that key and the suffix would not fit the column
+together, as requeue's keys do.
 
 PostgreSQL checks the new constraint against every history row once, holding
 a lock that makes the relay's history writes wait meanwhile (a sequential read
@@ -152,8 +153,8 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _resend_function(s: str) -> str:
-    """``outbox_resend`` for the tables of the quoted schema ``s``."""
+def _resend_function(s: str, sequence: str) -> str:
+    """``outbox_resend`` for the tables of the quoted schema ``s``; ``sequence``: ``outbox_message.id``'s."""
     changed = """RAISE EXCEPTION 'outbox %: message % changed meanwhile; try again', verb, ids[i]
                     USING ERRCODE = 'object_not_in_prerequisite_state'"""
     return f"""
@@ -192,7 +193,7 @@ BEGIN
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
         -- The suffix names the copy itself, so every resend of a message has a key of its own.
-        copy_id := nextval(pg_get_serial_sequence({_literal(f"{s}.outbox_message")}, 'id'));
+        copy_id := nextval({_literal(sequence)}::regclass);
         suffix := '~resend:' || copy_id;
         IF length(old.idempotency_key) + length(suffix) <= 255 THEN
             copy_key := old.idempotency_key || suffix;
@@ -239,7 +240,13 @@ def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     s, owner = _schema()
-    op.execute(_resend_function(s))
+    # The identity sequence of outbox_message.id, schema-qualified and quoted as nextval() reads it.
+    sequence = (
+        op.get_bind()
+        .execute(sa.text("SELECT pg_get_serial_sequence(:table, 'id')"), {"table": f"{s}.outbox_message"})
+        .scalar_one()
+    )
+    op.execute(_resend_function(s, sequence))
     # SECURITY DEFINER runs as the function's owner, which must own the tables (see outbox_0007).
     op.execute(f"ALTER FUNCTION {s}.{FUNCTION} OWNER TO {owner}")
     op.execute(f"REVOKE EXECUTE ON FUNCTION {s}.{FUNCTION} FROM PUBLIC")
