@@ -59,6 +59,7 @@ ATTEMPT_OUTCOMES: Final = (
     "requeued",
     "discarded",
     "retried_now",
+    "resent",
 )
 PAUSE_KINDS: Final = ("queue", "handler")
 PAUSE_EVENTS: Final = ("paused", "resumed")

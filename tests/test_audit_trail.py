@@ -605,6 +605,12 @@ def test_a_tenant_schema_gets_functions_that_name_its_own_tables(pg_url):
         result = ops.purge(tenant, delivered_older_than=timedelta(0), history_older_than=timedelta(days=1))
         assert (result.messages, result.attempts) == (1, 1)
         assert count(tenant, a) == 1, "the pending message's history stays"
+        # outbox_resend takes the copy's id from the tenant's own sequence.
+        with tenant.begin() as conn:
+            conn.execute(update(m).where(m.c.id == ids[1]).values(status="delivered"))
+        ((_, copy),) = ops.resend(tenant, ops.MessageFilter(ids=(ids[1],)), reason="lost", actor="t")
+        with tenant.connect() as conn:
+            assert conn.execute(select(m.c.requeued_from).where(m.c.id == copy)).scalar_one() == ids[1]
     finally:
         tenant.dispose()
         admin.dispose()

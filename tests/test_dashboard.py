@@ -681,3 +681,59 @@ def test_bulk_discard_by_selection(operator, seeded):
     done = operator.post("/dead/discard", data={**confirm, "id": [str(mid)]}, headers=SAME_SITE)
     assert "1 message discarded" in text_of(done.text)
     assert statuses(seeded.engine)["order:8"] == "discarded"
+
+
+def test_resend_from_a_finished_messages_page_lands_on_the_copy(operator, seeded):
+    delivered, dead = seeded.id("signup:2"), seeded.id("order:7")
+    form = f'action="/messages/{delivered}/resend"'
+    assert form in operator.get(f"/messages/{delivered}").text
+    assert "/resend" in operator.get(f"/messages/{seeded.id('report:2026-11')}").text, "discarded too"
+    for label in ("order:7", "report:2026-09", "report:2026-10"):  # dead, running, pending: no button
+        assert "/resend" not in operator.get(f"/messages/{seeded.id(label)}").text, label
+
+    response = operator.post(
+        f"/messages/{delivered}/resend", data={"reason": "the user lost the mail"}, headers=SAME_SITE
+    )
+    assert response.status_code == 200  # followed the 303 to the copy
+    copy = int(str(response.url).rsplit("/", 1)[1])
+    assert f"Resent from #{delivered}" in text_of(response.text).replace(" .", ".")
+    original_page = operator.get(f"/messages/{delivered}").text
+    assert f"Resent as #{copy}" in text_of(original_page)
+    assert f'as <a href="/messages/{copy}">#{copy}</a>' in original_page, "the timeline row links the copy"
+    last = history_of(seeded.engine, delivered)[-1]
+    assert (last.outcome, last.actor, last.reason) == ("resent", "dashboard", "the user lost the mail")
+    assert last.detail["new_id"] == copy
+    seeded.deliver("mail")
+    with seeded.engine.connect() as conn:
+        copied = conn.execute(select(m).where(m.c.id == copy)).one()
+        original = conn.execute(select(m).where(m.c.id == delivered)).one()
+    assert (copied.status, copied.event_id, original.status) == ("delivered", original.event_id, "delivered")
+
+    refused = operator.post(f"/messages/{dead}/resend", data={"reason": "r"}, headers=SAME_SITE)
+    assert refused.status_code == 409 and "a dead message is requeued, not resent" in text_of(refused.text)
+    no_reason = operator.post(f"/messages/{delivered}/resend", data={"reason": " "}, headers=SAME_SITE)
+    assert no_reason.status_code == 400 and "a reason is required" in no_reason.text
+
+
+def test_resend_is_a_permission_of_its_own_behind_the_same_checks(seeded):
+    delivered = seeded.id("signup:2")
+    path, form = f"/messages/{delivered}/resend", {"reason": "x"}
+    before = test_ops_cli.snapshot(seeded.engine)
+    with client(seeded) as reader:
+        assert reader.post(path, data=form, headers=SAME_SITE).status_code == 403
+        assert reader.get(path).status_code == 405
+        assert "/resend" not in reader.get(f"/messages/{delivered}").text
+    with client(seeded, allow_actions=True) as operator:
+        cross_site = {"sec-fetch-site": "cross-site", "origin": "http://evil.example"}
+        assert operator.post(path, data=form, headers=cross_site).status_code == 403
+    asked: list[str] = []
+
+    def auth(request: Any, action: str) -> bool:
+        asked.append(action)
+        return action != "resend"
+
+    with client(seeded, auth=auth, allow_actions=True) as limited:
+        no = limited.post(path, data=form, headers=SAME_SITE)
+        assert no.status_code == 403 and "You may not resend here." in no.text
+        assert asked[-1] == "resend"
+    assert test_ops_cli.snapshot(seeded.engine) == before, "nothing was resent"

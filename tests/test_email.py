@@ -449,6 +449,26 @@ def test_a_requeued_copy_is_the_same_mail_to_the_sent_log(engine, smtp):
     assert len(smtp.script.received) == 1
 
 
+def test_a_resent_mail_the_sent_log_remembers_is_not_sent_again_and_a_keyless_one_is(engine, smtp):
+    """What docs/email.md says of ``outbox resend``: a resent copy is the same mail, Message-ID and all."""
+    from outbox.ops import MessageFilter, resend
+
+    ob, factory = setup(engine, smtp.port)
+    send(ob, factory, {"to": "a@example.com", "subject": "S", "text": "t"}, key="receipt:9")
+    send(ob, factory, {"to": "b@example.com", "subject": "S", "text": "t"})  # no key: the event id counts
+    drain_all(ob, engine)
+    first, keyless = smtp.script.received
+    pairs = resend(engine, MessageFilter(status="delivered"), reason="the customer lost it", actor="test")
+    drain_all(ob, engine)
+    assert len(pairs) == 2 and len(smtp.script.received) == 2, "neither copy sent: same Message-ID"
+    rows = {r.id: r for r in messages(engine)}
+    for old, new in pairs:
+        assert rows[new].status == "delivered" and rows[new].event_id == rows[old].event_id
+    skipped = [d for outcome, d in outcomes(engine)[-2:] if outcome == "delivered"]
+    assert [d["skipped"] for d in skipped] == ["already accepted by the server"] * 2
+    assert {d["message_id"] for d in skipped} == {first.mail["Message-ID"], keyless.mail["Message-ID"]}
+
+
 def sent_then_dead(engine: Engine, message_id: int) -> None:
     """The server accepted the mail and the sent-log recorded it, yet the message ended dead.
 

@@ -268,9 +268,14 @@ def test_lineage_follows_a_requeue_chain_of_three_both_ways(shop):
         descendants=[ops.LineageCopy(first, "dead", original), ops.LineageCopy(second, "delivered", first)],
     )
     assert ops.lineage(engine, first) == ops.Lineage(
-        first, ancestors=[original], descendants=[ops.LineageCopy(second, "delivered", first)]
+        first,
+        ancestors=[original],
+        descendants=[ops.LineageCopy(second, "delivered", first)],
+        made_by="requeued",
     )
-    assert ops.lineage(engine, second) == ops.Lineage(second, ancestors=[original, first], descendants=[])
+    assert ops.lineage(engine, second) == ops.Lineage(
+        second, ancestors=[original, first], descendants=[], made_by="requeued"
+    )
     alone = shop.id("signup:1")
     assert ops.lineage(engine, alone) == ops.Lineage(alone, [], [])
     with pytest.raises(ops.NotFound, match="no message with id 99999"):

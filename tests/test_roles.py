@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from test_email import start_server
 from test_ops_cli import assert_one_line_error, ok, ok_json, run
 
 import outbox
-from outbox import Backoff, Message, Outbox, PermanentError, emit
+from outbox import Backoff, Message, Outbox, PermanentError, emit, ops
 from outbox.integrations.email import EmailHandler, outbox_email_sent
 from outbox.integrations.report import ReportJob, outbox_report_chunk
 from outbox.ops import relays
@@ -363,6 +364,79 @@ def test_a_relay_keeps_its_registry_row_and_the_operator_reads_it(roles, pg_engi
         " VALUES ('fake', 'h', 1, now(), now(), '[]', '{}')",
     ):
         refused(operator, statement)
+
+
+def test_the_operator_resends_over_its_own_login_and_the_database_stamps_it(
+    roles, pg_engine, request, monkeypatch
+):
+    """``outbox resend``, ``ops.resend`` and the dashboard's Resend, with the guide's grants only."""
+    from test_dashboard import SAME_SITE, Client
+
+    import outbox.ops._resend as resending
+    from outbox.dashboard import create_app
+
+    app, relay_engine, operator = (roles.engine(r) for r in ROLES)
+    received: list[Message] = []
+    ob = Outbox()
+    ob.route("order.paid", received.append, name="partner_webhook")
+    maker: sessionmaker[Session] = sessionmaker(app)
+    ob.install(maker)
+    request.addfinalizer(lambda: ob.uninstall(maker))
+    with maker.begin() as s:
+        emit(s, "order.paid", {"order_id": 42}, key="order:42")
+    assert Relay(ob, relay_engine).run_until_idle().delivered == 1
+    delivered = _ids(pg_engine)["partner_webhook", "order:42"]
+    url = roles.urls["outbox_operator"]
+
+    out = ok(
+        run("resend", str(delivered), "--reason", "partner lost it", "--actor", "alice", database_url=url)
+    )
+    (copy,) = map(int, re.findall(rf"^resent {delivered} as (\d+)$", out, re.M))
+    # The operator's host clock is an hour fast: the database stamps the copy and the history row.
+    fast = datetime.now(UTC) + timedelta(hours=1)
+    monkeypatch.setattr(resending, "_now", lambda: fast)
+    ((_, again),) = ops.resend(
+        operator, ops.MessageFilter(ids=(delivered,)), reason="lost again", actor="ops"
+    )
+    with Client(create_app(operator, allow_actions=True)) as dashboard:
+        landed = dashboard.post(
+            f"/messages/{delivered}/resend", data={"reason": "and again"}, headers=SAME_SITE
+        )
+        assert landed.status_code == 200 and "Resent from" in landed.text
+    assert Relay(ob, relay_engine).run_until_idle().delivered == 3
+    assert [msg.event_id for msg in received[1:]] == [received[0].event_id] * 3
+    with pg_engine.connect() as conn:
+        database_now = conn.execute(select(func.now())).scalar_one()
+        rows = {r.id: r for r in conn.execute(select(m).where(m.c.requeued_from == delivered))}
+        resent = conn.execute(select(a).where(a.c.message_id == delivered, a.c.outcome == "resent")).all()
+    assert copy in rows and again in rows and len(rows) == 3
+    assert [(h.actor, h.detail["db_user"]) for h in resent] == [
+        ("alice", roles.names["outbox_operator"]),
+        ("ops", roles.names["outbox_operator"]),
+        ("dashboard", roles.names["outbox_operator"]),
+    ]
+    for stamp in (rows[again].created_at, rows[again].available_at, resent[1].started_at):
+        assert stamp <= database_now < fast - timedelta(minutes=50)
+
+    # What the function does, plain SQL over the operator's login cannot: no copy, no history row.
+    refused(
+        operator,
+        "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
+        " max_attempts, available_at, created_at, updated_at)"
+        f" SELECT event_id, event_type, handler, queue, priority, payload, headers, max_attempts,"
+        f" now(), now(), now() FROM outbox_message WHERE id = {delivered}",
+    )
+    refused(
+        operator,
+        "INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at)"
+        f" VALUES ({delivered}, 1, 'resent', now())",
+    )
+    # A login that may read messages but was not granted the function is told so, in one line.
+    assert_one_line_error(
+        run("resend", str(delivered), "--reason", "r", database_url=roles.urls["outbox_relay"]),
+        1,
+        "may not run the outbox action functions",
+    )
 
 
 def _ids(engine: Engine) -> dict[tuple[str, str | None], int]:

@@ -8,8 +8,9 @@ representable in UTC), 130 interrupted (Ctrl-C).
 User mistakes get one line on stderr, never a traceback. Every subcommand takes
 ``--database-url`` (or ``OUTBOX_DATABASE_URL``).
 
-Bulk ``requeue``, ``discard`` and ``retry-now`` by filter ask for confirmation (``--yes``
-skips the question; without a terminal they refuse, exit 1). When the filter
+Bulk ``requeue``, ``resend``, ``discard`` and ``retry-now`` by filter ask for
+confirmation (``--yes`` skips the question; without a terminal they refuse,
+exit 1). When the filter
 matches nothing they say so and exit 0 without asking: an empty dead-letter
 queue is not an error for a script. Answering anything but ``y``, or Ctrl-D
 (end of input) at the question, does nothing and exits 0.

@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, verb in (
         ("requeue", "give dead or discarded messages a fresh start"),
+        ("resend", "deliver delivered or discarded messages again, as new copies"),
         ("discard", "drop messages"),
         ("retry-now", "make pending messages that wait out a backoff due now"),
     ):

@@ -200,13 +200,14 @@ def _print_acted(args: argparse.Namespace, done: Sequence[Any]) -> None:
             _print_json({"retried_now": list(done)})
         else:
             print(f"{len(done)} message(s) due now" + (f": {', '.join(map(str, done))}" if done else ""))
-    elif args.command == "requeue":
+    elif args.command in ("requeue", "resend"):
         if args.json:
             _print_json([{"old_id": old, "new_id": new} for old, new in done])
             return
+        did = "requeued" if args.command == "requeue" else "resent"
         for old, new in done:
-            print(f"requeued {old} as {new}")
-        print(f"{len(done)} message(s) requeued")
+            print(f"{did} {old} as {new}")
+        print(f"{len(done)} message(s) {did}")
     elif args.json:
         _print_json({"discarded": list(done)})
     else:
@@ -238,6 +239,8 @@ def _cmd_act(engine: Engine, args: argparse.Namespace) -> int:
         _print_acted(args, acted)
     elif args.command == "requeue":
         _print_acted(args, ops.requeue(engine, where, reason=args.reason, actor=actor))
+    elif args.command == "resend":
+        _print_acted(args, ops.resend(engine, where, reason=args.reason, actor=actor))
     else:
         _print_acted(args, ops.discard(engine, where, reason=args.reason, actor=actor))
     return 0
@@ -249,6 +252,9 @@ def _tail_line(entry: ops.HistoryEntry) -> str:
     if entry.actor is not None:  # an operator's action
         said = f"by {entry.actor}: {entry.reason or ''}"
     first_line = said.strip().splitlines()[0] if said.strip() else ""
+    copy = _copy_named(entry.outcome, entry.detail)
+    if copy is not None:  # requeued or resent: which message carries the delivery on
+        first_line = f"{first_line[:280]} (as #{copy})"
     fields = [
         entry.time.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
         f"#{entry.message_id}",
@@ -260,6 +266,14 @@ def _tail_line(entry: ops.HistoryEntry) -> str:
         first_line[:300],
     ]
     return "  ".join(fields).rstrip()
+
+
+def _copy_named(outcome: str, detail: Any) -> int | None:
+    """The copy a ``requeued`` or ``resent`` history row names (``detail.new_id``), else None."""
+    if outcome not in ("requeued", "resent") or not isinstance(detail, dict):
+        return None
+    new_id = detail.get("new_id")
+    return new_id if isinstance(new_id, int) and not isinstance(new_id, bool) else None
 
 
 def _cmd_tail(engine: Engine, args: argparse.Namespace) -> int:
@@ -349,6 +363,7 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "list": _cmd_list,
     "show": _cmd_show,
     "requeue": _cmd_act,
+    "resend": _cmd_act,
     "discard": _cmd_act,
     "retry-now": _cmd_act,
     "tail": _cmd_tail,

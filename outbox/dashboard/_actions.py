@@ -1,4 +1,4 @@
-"""The actions: requeue, discard, retry now, pause, resume. POST only, same-origin only, each one authorised.
+"""The actions: requeue, resend, discard, retry now, pause, resume. POST only, same-origin, each authorised.
 
 Each calls the same :mod:`outbox.ops` function as the ``outbox`` command, so
 the history row (actor, reason) is the same whichever tool acted. A bulk
@@ -78,6 +78,13 @@ def _one(request: Request, form: FormData) -> tuple[Any, dict[str, Any]]:
 async def requeue_one(request: Request, form: FormData) -> Response:
     engine, args = _one(request, form)
     pairs = await run_in_threadpool(lambda: ops.requeue(engine, **args))
+    return _back(request, f"/messages/{pairs[0][1]}")
+
+
+@action("resend")
+async def resend_one(request: Request, form: FormData) -> Response:
+    engine, args = _one(request, form)
+    pairs = await run_in_threadpool(lambda: ops.resend(engine, **args))
     return _back(request, f"/messages/{pairs[0][1]}")
 
 
@@ -175,6 +182,7 @@ async def resume(request: Request, form: FormData) -> Response:
 
 ROUTES = [
     Route("/messages/{id}/requeue", requeue_one, methods=["POST"]),
+    Route("/messages/{id}/resend", resend_one, methods=["POST"]),
     Route("/messages/{id}/discard", discard_one, methods=["POST"]),
     Route("/messages/{id}/retry", retry_one, methods=["POST"]),
     Route("/dead/requeue", requeue_many, methods=["POST"]),

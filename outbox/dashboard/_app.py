@@ -43,7 +43,7 @@ def create_app(
 
     ``engine``: an Engine, an AsyncEngine or a URL. ``auth(request, action)``
     (sync or async) decides each request; ``action`` is one of ``read``,
-    ``requeue``, ``discard``, ``pause``, ``retry``. Without ``allow_actions``
+    ``requeue``, ``resend``, ``discard``, ``pause``, ``retry``. Without ``allow_actions``
     the dashboard is read-only whatever ``auth`` says. ``secrets`` are values
     and field names masked wherever a payload or header is shown, on top of
     the field names masked always (password, token, secret...).

@@ -1,6 +1,6 @@
 """What stands between the dashboard and a hostile page or network: headers, origins, hosts, auth.
 
-The dashboard acts on production data (requeue, discard, pause), so it is
+The dashboard acts on production data (requeue, resend, discard, pause), so it is
 built to be exposed only on purpose. Each check here answers one attack:
 
 - DNS rebinding: a page on ``evil.example`` that resolves to 127.0.0.1 reads
@@ -38,8 +38,8 @@ __all__ = [
     "token_auth",
 ]
 
-Action = Literal["read", "requeue", "discard", "pause", "retry"]
-ACTIONS: tuple[Action, ...] = ("read", "requeue", "discard", "pause", "retry")
+Action = Literal["read", "requeue", "discard", "pause", "retry", "resend"]
+ACTIONS: tuple[Action, ...] = ("read", "requeue", "discard", "pause", "retry", "resend")
 
 #: ``auth(request, action) -> bool``, sync or async: may this request do this?
 Auth = Callable[[Request, Action], "bool | Awaitable[bool]"]

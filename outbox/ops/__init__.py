@@ -1,15 +1,15 @@
-"""Operations: stats, list, show, requeue, discard, retry-now, pause and resume, retention, relays,
-dashboard reads.
+"""Operations: stats, list, show, requeue, resend, discard, retry-now, pause and resume, retention,
+relays, dashboard reads.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
-reason; a dead message is never edited (requeue makes a new message that
-points back at it), so the audit trail stays complete.
+reason; a dead or delivered message is never edited (requeue and resend make a
+new message that points back at it), so the audit trail stays complete.
 """
 
 from __future__ import annotations
 
-from ._actions import ROOT_KEY_LIMIT, discard, requeue, requeued_key, retry_now, root_key
+from ._actions import discard, requeue, retry_now
 from ._base import NotFound, OpsError, parse_duration
 from ._dashboard import (
     ACTIVITY_RETRIED,
@@ -25,6 +25,7 @@ from ._dashboard import (
     lineage,
 )
 from ._filters import MessageFilter, candidate_ids, count_candidates, requeue_candidates
+from ._keys import ROOT_KEY_LIMIT, requeued_key, resent_key, root_key
 from ._live import change_marker
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
 from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
@@ -40,6 +41,7 @@ from ._reports import (
     report_run,
     report_runs,
 )
+from ._resend import resend
 from ._tail import HistoryEntry, HistoryFilter, follow_history
 from ._where import PayloadEquals, WhereError, parse_where
 
@@ -98,6 +100,8 @@ __all__ = [
     "requeue",
     "requeue_candidates",
     "requeued_key",
+    "resend",
+    "resent_key",
     "resume",
     "retry_now",
     "root_key",

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, literal, select, update
+from sqlalchemy import func, literal, select, update
 from sqlalchemy.engine import Connection, Engine, Row
 
 from ._base import (
     ACTION_BATCH,
     DISCARDABLE,
-    KEY_LIMIT,
-    MAX_ID,
     REQUEUABLE,
     NotFound,
     OpsError,
@@ -23,23 +19,19 @@ from ._base import (
     _check_reason,
     _has_copy,
     _now,
-    a,
+    _record_action,
     m,
 )
+from ._copies import COPY_COLUMNS, REQUEUE, copy_rows
 from ._filters import MessageFilter, _all_or_none, _filtered_batches, _named, _tried, _waiting
 from ._in_database import call
+from ._keys import ROOT_KEY_LIMIT, requeued_key, root_key
 
-_REQUEUE_MARK = "~requeue:"
-_REQUEUE_SUFFIXES = re.compile(r"(?:~requeue:[0-9]+)+$")
-#: The longest key a requeued copy repeats whole: room is kept for ``~requeue:`` and the
-#: 19 digits of the largest id (BIGINT), so whatever id is copied, the suffix fits after it.
-ROOT_KEY_LIMIT = KEY_LIMIT - len(_REQUEUE_MARK) - len(str(MAX_ID))
-_DIGEST_MARK = "~sha256:"
-_DIGEST_LENGTH = 32
+__all__ = ["ROOT_KEY_LIMIT", "discard", "requeue", "requeued_key", "retry_now", "root_key"]
 
 
-def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
-    """Old id → id of its newest copy, for those of ``ids`` that were requeued before."""
+def _copied_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
+    """Old id → id of its newest copy, for those of ``ids`` that were requeued or resent before."""
     if not ids:
         return {}
     return {
@@ -50,91 +42,6 @@ def _requeued_as(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
             .group_by(m.c.requeued_from)
         )
     }
-
-
-def _record_action(
-    conn: Connection, old: Row[Any], outcome: str, actor: str, reason: str, now: datetime, **detail: Any
-) -> None:
-    """An operator's action as a history row on the message it acted on."""
-    conn.execute(
-        insert(a).values(
-            message_id=old.id,
-            attempt=old.attempts,
-            outcome=outcome,
-            started_at=now,
-            finished_at=now,
-            duration_ms=0,
-            actor=actor,
-            reason=reason,
-            detail={**detail, "previous_status": old.status},
-        )
-    )
-
-
-def root_key(key: str) -> str:
-    """What the key of a message and the keys of all its requeued copies have in common.
-
-    ``key`` without its ``~requeue:<id>`` suffixes: the original message's key.
-    One longer than :data:`ROOT_KEY_LIMIT` (227) characters, which a copy
-    could not repeat whole next to a suffix for a 19-digit id, stands for
-    itself shortened to exactly that length: its first 187 characters,
-    ``~sha256:`` and 32 hex digits of the SHA-256 of the whole. Applied to a
-    copy's key it gives the same string as applied to the original's, so a
-    handler that derives a side effect's identity from it (the email
-    handler's ``Message-ID``) treats every copy as the same delivery.
-    """
-    stem = _REQUEUE_SUFFIXES.sub("", key)
-    if len(stem) <= ROOT_KEY_LIMIT:
-        return stem
-    digest = hashlib.sha256(stem.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_LENGTH]
-    return f"{stem[: ROOT_KEY_LIMIT - len(_DIGEST_MARK) - _DIGEST_LENGTH]}{_DIGEST_MARK}{digest}"
-
-
-def requeued_key(key: str | None, old_id: int) -> str | None:
-    """The idempotency key of the requeued copy of message ``old_id`` whose key is ``key``.
-
-    ``<key>~requeue:<old id>``; when that would not fit the column, the suffix
-    follows :func:`root_key` of ``key`` instead (the original's key, or its
-    stand-in, without the earlier copies' suffixes). A key is never simply cut
-    short: its :func:`root_key`, which handlers may derive identities from, is
-    the original's at any length.
-    The suffix names the message copied, and a message is copied at most once,
-    so the copy's key is unique for its route (it never equals the
-    original's), and a copy of a copy gets its own suffix in turn.
-    """
-    if key is None:
-        return None
-    suffix = f"{_REQUEUE_MARK}{old_id}"
-    if len(key) + len(suffix) <= KEY_LIMIT:
-        return key + suffix
-    return root_key(key) + suffix
-
-
-def _copy(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> int:
-    """SQLite: copy ``old`` as a new pending message, its documents copied inside the database.
-
-    Copied by ``INSERT ... SELECT``, never read into Python: a payload stored before
-    emit capped nesting may be too deep for Python's JSON decoder, and is still requeued.
-    """
-    kept = ["event_id", "event_type", "handler", "queue", "priority", "payload", "headers"]
-    kept += ["aggregate_type", "aggregate_id", "group_key", "max_attempts"]
-    fresh = {
-        "idempotency_key": literal(requeued_key(old.idempotency_key, old.id), m.c.idempotency_key.type),
-        "status": literal("pending"),
-        "attempts": literal(0),
-        "available_at": literal(now, m.c.available_at.type),
-        "created_at": literal(now, m.c.created_at.type),
-        "updated_at": literal(now, m.c.updated_at.type),
-        "requeued_from": m.c.id,
-    }
-    source = select(*(m.c[name] for name in kept), *fresh.values()).where(m.c.id == old.id)
-    new_id: int = conn.execute(insert(m).from_select([*kept, *fresh], source).returning(m.c.id)).scalar_one()
-    _record_action(conn, old, "requeued", actor, reason, now, new_id=new_id)
-    return new_id
-
-
-#: What requeue reads of a message: never its documents (the copy is made inside the database).
-_REQUEUE_COLUMNS = [m.c.id, m.c.status, m.c.attempts, m.c.idempotency_key]
 
 
 def requeue(
@@ -150,7 +57,8 @@ def requeue(
 
     A message is requeued at most once, because the old row stays dead and a
     second copy would deliver the event twice: named ids that already have a
-    copy are refused (requeue the copy if it failed too), a filter skips them.
+    copy (requeued, or for a discarded one, resent) are refused (requeue the
+    copy if it failed too), a filter skips them.
 
     Named ids are acted on in one transaction, all or none. A filter works in
     batches of ``batch_size`` messages, each its own transaction; it never
@@ -163,40 +71,22 @@ def requeue(
     pairs: list[tuple[int, int]] = []
     if where.ids:
         with engine.begin() as conn:
-            targets = _named(conn, where, REQUEUABLE, "requeue", _REQUEUE_COLUMNS)
-            copied = _requeued_as(conn, [r.id for r in targets])
+            targets = _named(conn, where, REQUEUABLE, "requeue", COPY_COLUMNS)
+            copied = _copied_as(conn, [r.id for r in targets])
             if copied:
                 listed = ", ".join(f"{old} (as {new})" for old, new in sorted(copied.items()))
-                raise OpsError(f"already requeued: {listed}; if a copy failed too, requeue the copy")
-            return _requeue_rows(conn, targets, actor, reason, now, strict=True)
-    batches = _filtered_batches(
-        engine, where, REQUEUABLE, "requeue", _REQUEUE_COLUMNS, batch_size, ~_has_copy()
-    )
+                raise OpsError(
+                    f"already requeued or resent: {listed}; if a copy failed too, requeue the copy"
+                )
+            return copy_rows(conn, targets, REQUEUE, actor, reason, now, strict=True)
+    batches = _filtered_batches(engine, where, REQUEUABLE, "requeue", COPY_COLUMNS, batch_size, ~_has_copy())
     for conn, batch in batches:
         # Read again just before acting: a concurrent requeue may have committed a copy since the
         # query began (the database function checks once more under its lock).
-        copied = _requeued_as(conn, [r.id for r in batch])
+        copied = _copied_as(conn, [r.id for r in batch])
         fresh = [old for old in batch if old.id not in copied]
-        pairs += _requeue_rows(conn, fresh, actor, reason, now, strict=False)
+        pairs += copy_rows(conn, fresh, REQUEUE, actor, reason, now, strict=False)
     return pairs
-
-
-def _requeue_rows(
-    conn: Connection, rows: Sequence[Row[Any]], actor: str, reason: str, now: datetime, *, strict: bool
-) -> list[tuple[int, int]]:
-    """Copy each of ``rows``; ``strict``: all of them or none (the database re-checks each under a lock)."""
-    if conn.dialect.name != "postgresql":
-        return [(old.id, _copy(conn, old, actor, reason, now)) for old in rows]
-    found = call(
-        conn,
-        "SELECT old_id, new_id FROM outbox_requeue(:ids, :keys, :actor, :reason, :strict)",
-        ids=[r.id for r in rows],
-        keys=[requeued_key(r.idempotency_key, r.id) for r in rows],
-        actor=actor,
-        reason=reason,
-        strict=strict,
-    )
-    return [(r.old_id, r.new_id) for r in found]
 
 
 def _discard_one(conn: Connection, old: Row[Any], actor: str, reason: str, now: datetime) -> bool:

@@ -7,7 +7,8 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Column, ColumnElement, Table, Text, cast, func, select
+from sqlalchemy import Column, ColumnElement, Table, Text, cast, func, insert, select
+from sqlalchemy.engine import Connection, Row
 
 from .._exceptions import OutboxError
 from .._redact import TOO_DEEP
@@ -17,6 +18,8 @@ m = outbox_message
 a = outbox_attempt
 
 REQUEUABLE = ("dead", "discarded")
+#: Finished messages a receiver may have lost: never dead ones (requeue's) nor unfinished ones.
+RESENDABLE = ("delivered", "discarded")
 DISCARDABLE = ("pending", "dead")
 #: The idempotency_key column's width.
 KEY_LIMIT = 255
@@ -120,6 +123,33 @@ def _copy_id() -> ColumnElement[int]:
     """
     copy = m.alias("requeued_as")
     return select(func.min(copy.c.id)).where(copy.c.requeued_from == m.c.id).scalar_subquery()
+
+
+def _record_action(
+    conn: Connection, old: Row[Any], outcome: str, actor: str, reason: str, now: datetime, **detail: Any
+) -> None:
+    """SQLite: an operator's action as a history row on the message it acted on.
+
+    History keeps one row per message, attempt, outcome and time (``outbox_0008``
+    skips a repeat silently): a second row for the same action on the same
+    message at the same instant, which only a clock too coarse to tell two
+    resends apart could produce, refuses the action rather than go unrecorded.
+    """
+    written = conn.execute(
+        insert(a).values(
+            message_id=old.id,
+            attempt=old.attempts,
+            outcome=outcome,
+            started_at=now,
+            finished_at=now,
+            duration_ms=0,
+            actor=actor,
+            reason=reason,
+            detail={**detail, "previous_status": old.status},
+        )
+    ).rowcount
+    if written != 1:
+        raise OpsError(f"message {old.id} has a {outcome} row of this very instant already; try again")
 
 
 def _check_reason(reason: str, actor: str) -> None:

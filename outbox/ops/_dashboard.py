@@ -1,4 +1,4 @@
-"""Reads a dashboard polls: capped counts, the status breakdown, per-minute activity, requeue lineage.
+"""Reads a dashboard polls: capped counts, the status breakdown, per-minute activity, copy lineage.
 
 They live in ``outbox.ops`` so the command line and any web dashboard show
 the same figures from the same queries. Each is meant to be called on every
@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy import BigInteger, ColumnElement, and_, case, func, literal, select
-from sqlalchemy.engine import Engine
+from sqlalchemy import BigInteger, ColumnElement, Text, and_, case, cast, func, literal, select
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from .._tables import MESSAGE_STATUSES, status_is_one_of
-from ._base import NotFound, OpsError, _has_copy, _now, a, m
+from ._base import NotFound, OpsError, _has_copy, _now, a, decoded, m
 from ._filters import MessageFilter
 
 __all__ = [
@@ -205,31 +205,41 @@ def activity(engine: Engine, *, minutes: int = 60) -> list[MinuteActivity]:
 # -- lineage ----------------------------------------------------------------------------------------
 
 
+#: How a copy was made from the message it points at: the outcome of the history row naming it.
+COPY_OUTCOMES: Final = ("requeued", "resent")
+
+
 @dataclass(frozen=True, slots=True)
 class LineageCopy:
     id: int
     status: str
     requeued_from: int
+    #: ``requeued`` or ``resent``: the outcome of the history row on ``requeued_from`` that names
+    #: this copy; ``copied`` when that row was purged.
+    made_by: str = "requeued"
 
 
 @dataclass(frozen=True, slots=True)
 class Lineage:
-    """Where a message came from and what was made of it, through requeues.
+    """Where a message came from and what was made of it, through requeues and resends.
 
     ``ancestors`` runs from the original down to the direct parent (empty for
-    an original). ``descendants`` are the copies made from it, their copies
-    and so on, in id order (creation order); each names its parent, so a tree
-    can be drawn when one message was requeued more than once.
+    an original); ``made_by`` says how the message was made from its parent
+    (as :class:`LineageCopy` does; None for an original). ``descendants`` are
+    the copies made from it, their copies and so on, in id order (creation
+    order); each names its parent, so a tree can be drawn when one message
+    was copied more than once.
     """
 
     message_id: int
     ancestors: list[int]
     descendants: list[LineageCopy]
+    made_by: str | None = None
 
 
 def lineage(engine: Engine, message_id: int) -> Lineage:
     """Both directions in two recursive queries, each step one lookup by key or by
-    ``ix_outbox_message_requeued_from``.
+    ``ix_outbox_message_requeued_from``, and one read of the parents' copying history rows.
 
     A copy always has a higher id than its parent (it is inserted after it), and
     both walks insist on that, so a hand-edited cycle cannot make them loop.
@@ -256,8 +266,28 @@ def lineage(engine: Engine, message_id: int) -> Lineage:
         chain = [row.id for row in conn.execute(select(up.c.id).order_by(up.c.id))]
         if message_id not in chain:
             raise NotFound(f"no message with id {message_id}")
-        copies = [
-            LineageCopy(row.id, row.status, row.requeued_from)
-            for row in conn.execute(select(down).order_by(down.c.id))
-        ]
-    return Lineage(message_id=message_id, ancestors=[i for i in chain if i != message_id], descendants=copies)
+        found = conn.execute(select(down).order_by(down.c.id)).all()
+        ancestors = [i for i in chain if i != message_id]
+        parents = {row.requeued_from for row in found} | set(ancestors[-1:])
+        made = _copies_made(conn, parents)
+    copies = [LineageCopy(r.id, r.status, r.requeued_from, made.get(r.id, "copied")) for r in found]
+    made_by = made.get(message_id, "copied") if ancestors else None
+    return Lineage(message_id=message_id, ancestors=ancestors, descendants=copies, made_by=made_by)
+
+
+def _copies_made(conn: Connection, parents: set[int]) -> dict[int, str]:
+    """Copy id → ``requeued`` or ``resent``, from the history rows of ``parents`` that name a copy."""
+    if not parents:
+        return {}
+    rows = conn.execute(
+        select(a.c.outcome, cast(a.c.detail, Text).label("detail")).where(
+            a.c.message_id.in_(sorted(parents)), a.c.outcome.in_(COPY_OUTCOMES)
+        )
+    )
+    made: dict[int, str] = {}
+    for row in rows:
+        detail = decoded(row.detail)
+        new_id = detail.get("new_id") if isinstance(detail, dict) else None
+        if isinstance(new_id, int):
+            made[new_id] = row.outcome
+    return made

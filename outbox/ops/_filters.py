@@ -8,7 +8,7 @@ SQLite's single writer there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 from ._base import (
     DISCARDABLE,
     REQUEUABLE,
+    RESENDABLE,
     NotFound,
     OpsError,
     _has_copy,
@@ -113,13 +114,19 @@ class MessageFilter:
 
 
 def _named(
-    conn: Connection, where: MessageFilter, allowed: tuple[str, ...], verb: str, columns: Sequence[Any]
+    conn: Connection,
+    where: MessageFilter,
+    allowed: tuple[str, ...],
+    verb: str,
+    columns: Sequence[Any],
+    hints: Mapping[str, str] | None = None,
 ) -> list[Row[Any]]:
     """The rows of named ids; every id must exist and have an allowed status, or none is acted on.
 
     A running message belongs to a relay, which must never wait for an
     operator's refused command: what is refused here is never locked, and
     what acts on the rest locks them and checks again (``strict``).
+    ``hints``: what to say, after the refusal, about a status that is refused.
     """
     found: dict[int, str] = {r.id: r.status for r in conn.execute(where.apply(select(m.c.id, m.c.status)))}
     missing = [i for i in where.ids if i not in found]
@@ -128,7 +135,12 @@ def _named(
     wrong = sorted((i, s) for i, s in found.items() if s not in allowed)
     if wrong:
         listed = ", ".join(f"{i} ({s})" for i, s in wrong)
-        raise OpsError(f"can only {verb} {' or '.join(allowed)} messages; not {listed}")
+        refused = {s for _, s in wrong}
+        said = dict.fromkeys(hint for status, hint in (hints or {}).items() if status in refused)
+        raise OpsError(
+            f"can only {verb} {' or '.join(allowed)} messages; not {listed}"
+            + "".join(f"; {hint}" for hint in said)
+        )
     stmt = where.apply(select(*columns)).where(m.c.status.in_(allowed))
     return _all_or_none(conn, stmt, found, "changed status meanwhile")
 
@@ -193,11 +205,13 @@ def _candidates(where: MessageFilter, verb: str, include_delayed: bool = False) 
         raise OpsError(f"refusing to {verb} every message: give ids or a filter")
     if verb == "requeue":
         return where.apply(select(m.c.id)).where(m.c.status.in_(REQUEUABLE), ~_has_copy())
+    if verb == "resend":
+        return where.apply(select(m.c.id)).where(m.c.status.in_(RESENDABLE))
     if verb == "discard":
         return where.apply(select(m.c.id)).where(m.c.status.in_(DISCARDABLE))
     if verb in ("retry-now", "retry_now"):
         return where.apply(select(m.c.id)).where(*_waiting(_now(), include_delayed))
-    raise OpsError(f"unknown action {verb!r}; one of requeue, discard, retry-now")
+    raise OpsError(f"unknown action {verb!r}; one of requeue, resend, discard, retry-now")
 
 
 def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
@@ -206,7 +220,7 @@ def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:
 
 
 def candidate_ids(engine: Engine, where: MessageFilter, verb: str, *, limit: int | None = None) -> list[int]:
-    """The ids a filter-based ``requeue``, ``discard`` or ``retry-now`` would act on now, oldest first.
+    """The ids a filter-based ``requeue``, ``resend``, ``discard`` or ``retry-now`` would take, oldest first.
 
     A confirmation that states a count then acts on exactly these ids (named
     ids are all or none), so a message that dies after the question is not
@@ -222,7 +236,7 @@ def candidate_ids(engine: Engine, where: MessageFilter, verb: str, *, limit: int
 def count_candidates(
     engine: Engine, where: MessageFilter, verb: str, *, include_delayed: bool = False
 ) -> int:
-    """How many messages a filter-based ``requeue``, ``discard`` or ``retry-now`` (``verb``) would act on now.
+    """How many messages a filter-based ``requeue``, ``resend``, ``discard`` or ``retry-now`` would take now.
 
     What a confirmation prompt counts, without loading the rows.
     ``include_delayed`` is :func:`retry_now`'s.
