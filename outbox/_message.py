@@ -18,7 +18,9 @@ class Message:
     ``id`` is the ``outbox_message`` row (one per route); ``event_id`` is shared by
     every route's copy of the same event. ``attempt`` counts from 1. ``key`` is
     the idempotency key, stable across retries: use it (or ``id``) to make the
-    handler's side effect idempotent.
+    handler's side effect idempotent. ``expires_at`` is when the message stops
+    being worth sending (None: never); a relay hands no handler a message it
+    claimed past that time, so a handler may use it to bound its own waiting.
     """
 
     id: int
@@ -33,6 +35,7 @@ class Message:
     aggregate_type: str | None = None
     aggregate_id: str | None = None
     created_at: datetime | None = None
+    expires_at: datetime | None = None
 
 
 #: A handler is any callable taking a Message: a plain function (run in a worker

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._backoff import Backoff
@@ -113,6 +114,7 @@ class Outbox:
         priority: int | None = None,
         backoff: Backoff | None = None,
         transform: Transform | None = None,
+        expires_after: timedelta | None = None,
     ) -> Route:
         """Subscribe ``handler`` to ``event_type``; every emit then stores one message for it.
 
@@ -120,6 +122,11 @@ class Outbox:
         payload from the event's at emit time; the result is checked like any
         payload, stored in this route's row and handed to its handler. A handler
         with ``outbox_validate(payload)`` has it called at emit with that payload.
+
+        ``expires_after``, a positive timedelta: a message of this route that no
+        relay handed to the handler within this long of its being stored (by the
+        database's clock) is never handed to it: it is recorded ``expired`` and
+        ends ``discarded``. ``emit(..., expires_at=...)`` can make it sooner.
         """
         route = Route(
             event_type=event_type,
@@ -131,6 +138,7 @@ class Outbox:
             priority=self.default_priority if priority is None else priority,
             backoff=self.default_backoff if backoff is None else backoff,
             transform=transform,
+            expires_after=expires_after,
         )
         existing = self._routes.get(route.name)
         if existing is not None:
@@ -153,6 +161,7 @@ class Outbox:
         priority: int | None = None,
         backoff: Backoff | None = None,
         transform: Transform | None = None,
+        expires_after: timedelta | None = None,
     ) -> Callable[[F], F]:
         """Decorator form of :meth:`route`; returns the function unchanged."""
 
@@ -167,6 +176,7 @@ class Outbox:
                 priority=priority,
                 backoff=backoff,
                 transform=transform,
+                expires_after=expires_after,
             )
             return fn
 

@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from ._backoff import Backoff
@@ -20,6 +21,8 @@ Transform = Callable[[dict[str, Any]], Any]
 Validator = Callable[[Any], None]
 
 _NAME_LIMIT = 255
+#: The longest expiry a route may set: about ten years, far below where timestamps overflow.
+MAX_EXPIRES_AFTER = timedelta(days=3650)
 _NAME = re.compile(r"^[^\s\x00-\x1f\x7f]+$")
 
 
@@ -60,6 +63,10 @@ class Route:
     ``transform`` shapes the payload this route stores from the event's payload
     at emit time; ``validator`` is the handler's ``outbox_validate``, found
     here once so an emit to a route with neither pays nothing for them.
+
+    ``expires_after``: a message of this route not handed to its handler
+    within this long of being stored is never handed to it (outcome
+    ``expired``, status ``discarded``). None: it never expires.
     """
 
     event_type: str
@@ -71,6 +78,7 @@ class Route:
     priority: int
     backoff: Backoff = Backoff()
     transform: Transform | None = None
+    expires_after: timedelta | None = None
     validator: Validator | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +109,14 @@ class Route:
             )
         if self.transform is not None:
             _check_plain_callable(self.transform, f"route {self.name!r}: transform")
+        if self.expires_after is not None and (
+            not isinstance(self.expires_after, timedelta)
+            or not timedelta(0) < self.expires_after <= MAX_EXPIRES_AFTER
+        ):
+            raise ConfigurationError(
+                f"route {self.name!r}: expires_after must be a positive timedelta of at most "
+                f"{MAX_EXPIRES_AFTER.days} days (or None: never expires), got {self.expires_after!r}"
+            )
         validator = getattr(self.handler, "outbox_validate", None)
         if validator is not None:
             _check_plain_callable(validator, f"route {self.name!r}: the handler's outbox_validate")

@@ -60,6 +60,7 @@ ATTEMPT_OUTCOMES: Final = (
     "discarded",
     "retried_now",
     "resent",
+    "expired",
 )
 PAUSE_KINDS: Final = ("queue", "handler")
 PAUSE_EVENTS: Final = ("paused", "resumed")
@@ -113,6 +114,8 @@ outbox_message = Table(
     Column("delivered_at", UTCDateTime),
     Column("last_error", Text),
     Column("requeued_from", RowId, ForeignKey("outbox_message.id")),
+    #: Not to be handed to a handler from this moment on (outbox_0018); NULL: never expires.
+    Column("expires_at", UTCDateTime),
     UniqueConstraint("handler", "idempotency_key"),
     CheckConstraint(_one_of("status", MESSAGE_STATUSES), name="status"),
     CheckConstraint("attempts >= 0", name="attempts"),

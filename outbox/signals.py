@@ -47,6 +47,10 @@ Relay side (sent by ``outbox.relay``, from the relay's event-loop thread):
     ``lease_expired``), ``delay`` (seconds until the next attempt), ``error``.
 ``message_dead``
     ``relay``, ``message``, ``error`` (the redacted reason).
+``message_expired``
+    ``relay``, ``message`` (its ``expires_at`` says when). The message was
+    claimed past its ``expires_at``: its handler was not called, and it is
+    now ``discarded``.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ __all__ = [
     "message_claimed",
     "message_dead",
     "message_delivered",
+    "message_expired",
     "messages_committed",
     "namespace",
     "relay_listening",
@@ -82,3 +87,6 @@ message_claimed = namespace.signal("message-claimed", doc="a relay claimed a bat
 message_delivered = namespace.signal("message-delivered", doc="a handler returned normally")
 retry_scheduled = namespace.signal("retry-scheduled", doc="a failed attempt was rescheduled")
 message_dead = namespace.signal("message-dead", doc="a message went dead")
+message_expired = namespace.signal(
+    "message-expired", doc="a message claimed past its expires_at was discarded, its handler not called"
+)

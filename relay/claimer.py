@@ -9,7 +9,8 @@ results in memory.
 
 A claimed row whose payload or headers could not be decoded
 (``documents.py``) is never given to its handler: its delivery task hands the
-writer a dead outcome with the reason at once.
+writer a dead outcome with the reason at once. Nor is one claimed past its
+``expires_at``: its outcome is ``expired``, and the message is discarded.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .claim_position import ClaimPositions, Position
 from .clock import utcnow
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
-from .dispatch import attempt, to_message, undecodable_outcome
+from .dispatch import attempt, expired, expired_outcome, to_message, undecodable_outcome
 from .documents import undecodable
 from .outcomes import Completion
 from .run_context import RunContext, log
@@ -225,6 +226,10 @@ class Claimer:
                 return  # stays unstarted: the shutdown releases it
             self._unstarted.pop((row.id, row.attempts), None)
             route = rt.routes[row.handler]
+            if expired(row):  # too late for anyone to see it: discarded, with the time it expired
+                deadline.skip()
+                self._writer.add(*expired_outcome(row))
+                return
             unusable = undecodable(row)
             if unusable is not None:  # never the handler's to see: dead, with the reason
                 deadline.skip()

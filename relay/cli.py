@@ -353,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.once:
             result = relay.run_until_idle()
             summary = f"delivered {result.delivered}, retrying {result.retried}, dead {result.dead}"
+            if result.expired:
+                summary += f", expired {result.expired}"
             if args.log_format == "json":
                 # A log collector reading JSON lines must not get one line of prose at the end.
                 log.info(
@@ -362,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "delivered": result.delivered,
                         "retried": result.retried,
                         "dead": result.dead,
+                        "expired": result.expired,
                         "recovered": result.recovered,
                     },
                 )

@@ -3,7 +3,8 @@
 Knows nothing of SQL; it turns a claimed row into a :class:`~outbox.Message`,
 runs the handler, and returns a :class:`~outbox.relay.outcomes.Completion` that the
 outcome writer writes back. A row whose payload or headers could not be decoded
-(``documents.py``) gets its dead outcome here too, without a handler call.
+(``documents.py``) gets its dead outcome here too, without a handler call,
+and so does a row claimed past its ``expires_at`` its ``expired`` one.
 It also says what an exception was (:func:`describe`) and whether a
 cancellation was the relay's own (:func:`cancelled_by_relay`), for the
 handlers' start and stop hooks (``hooks.py``) as for their deliveries.
@@ -21,7 +22,7 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 from outbox import Message, PermanentError, RetryLater, Route
@@ -36,6 +37,8 @@ __all__ = [
     "attempt",
     "cancelled_by_relay",
     "describe",
+    "expired",
+    "expired_outcome",
     "is_async_handler",
     "to_message",
     "undecodable_outcome",
@@ -64,7 +67,18 @@ def to_message(row: Any) -> Message:
         aggregate_type=row.aggregate_type,
         aggregate_id=row.aggregate_id,
         created_at=row.created_at,
+        expires_at=row.expires_at,
     )
+
+
+def expired(row: Any) -> bool:
+    """Whether a claimed row was past its ``expires_at`` when it was claimed, by the claim's clock.
+
+    ``claimed_at`` is the claim's "now": the database's on PostgreSQL, whose
+    ``outbox_complete`` checks the same by its own later clock, so the two
+    never disagree; this host's on SQLite, as every other "now" there.
+    """
+    return row.expires_at is not None and row.expires_at <= row.claimed_at
 
 
 def is_async_handler(handler: Any) -> bool:
@@ -253,6 +267,29 @@ def undecodable_outcome(row: Any, reason: str) -> tuple[Message, Completion]:
         finished_at=now,
         error_type="UndecodableMessage",
         error=reason,
+    )
+
+
+def expired_outcome(row: Any) -> tuple[Message, Completion]:
+    """The outcome of a row claimed past its ``expires_at``: discarded, its handler never called.
+
+    Too late is too late on every later attempt as well, so the message is
+    not retried. The claim counted the attempt; the history row says when the
+    message expired and that no handler saw it.
+    """
+    now = utcnow()
+    when = row.expires_at.astimezone(UTC)
+    return to_message(row), Completion(
+        message_id=row.id,
+        attempt=row.attempts,
+        outcome="expired",
+        status="discarded",
+        started_at=now,
+        finished_at=now,
+        error_type="Expired",
+        # Short enough for a table cell (outbox show); the detail keeps the exact time.
+        error=f"not handed to the handler: expired at {when:%Y-%m-%dT%H:%M:%SZ}",
+        detail={"expires_at": when.isoformat()},
     )
 
 

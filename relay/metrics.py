@@ -134,6 +134,8 @@ class RelayMetrics:
 
     def observe(self, message: Message, completion: Completion) -> None:
         self.deliveries.labels(message.handler, completion.outcome).inc()
+        if completion.outcome == "expired":  # no handler ran: nothing to time
+            return
         seconds = (completion.finished_at - completion.started_at).total_seconds()
         self.attempt_duration.labels(message.handler).observe(max(seconds, 0.0))
         if completion.status == "delivered" and message.created_at is not None:

@@ -37,7 +37,7 @@ class Completion:
     message_id: int
     attempt: int
     outcome: str  # an ATTEMPT_OUTCOMES value
-    status: str  # the message's next status: delivered, pending (retry) or dead
+    status: str  # the message's next status: delivered, pending (retry), dead, or discarded (expired)
     started_at: datetime
     finished_at: datetime
     retry_in: float = 0.0
@@ -94,6 +94,9 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
         if r.status == "pending"
     ]
     dead = [{"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "dead"]
+    discarded = [
+        {"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "discarded"
+    ]
     with engine.begin() as conn:
         if delivered:
             conn.execute(
@@ -135,6 +138,19 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
                     updated_at=now,
                 ),
                 dead,
+            )
+        if discarded:  # expired: never handed to the handler
+            conn.execute(
+                update(m)
+                .where(ours)
+                .values(
+                    status="discarded",
+                    last_error=bindparam("err"),
+                    locked_by=None,
+                    locked_until=None,
+                    updated_at=now,
+                ),
+                discarded,
             )
         conn.execute(
             history_insert(engine),

@@ -40,10 +40,13 @@ class DrainResult:
     retried: int = 0
     dead: int = 0
     recovered: int = 0
+    #: claimed past their expires_at: discarded, never handed to a handler
+    expired: int = 0
 
     @property
     def attempts(self) -> int:
-        return self.delivered + self.retried + self.dead
+        """Outcomes recorded: every claim counts an attempt, an expired one included."""
+        return self.delivered + self.retried + self.dead + self.expired
 
 
 def backoff_delay(failures: int) -> float:

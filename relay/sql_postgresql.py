@@ -25,6 +25,13 @@ ANY(ARRAY(SELECT ... FOR UPDATE SKIP LOCKED)) RETURNING``:
 - status values are literals in the function's text, so the plan PostgreSQL
   keeps for the session can use the partial indexes.
 
+The call reads each claimed row's ``expires_at`` beside the function's rows,
+and the database's ``now()`` of the claim (``claimed_at``): the relay judges
+expiry by that clock, which ``outbox_complete`` checks again by its own, never
+earlier, ``now()``. ``outbox_claim``'s result type is left as it was (migration
+``outbox_0018`` says why); a scalar subquery per claimed row is one probe of
+the primary key, never a join the planner could turn into a scan.
+
 The outcomes (``outbox_complete``) travel as one JSON document: encoding it is
 one C call, where a dozen typed arrays cost psycopg a Python loop per element.
 An outcome applies only to the claim that produced it (same relay, same attempt
@@ -73,9 +80,14 @@ def calls(schema: str | None) -> Calls:
     f = f"{schema}." if schema else ""
     return Calls(
         claim=f"""
-SELECT * FROM {f}outbox_claim(
-    %(me)s::text, %(lease)s::float8, %(queue)s::text, %(handlers)s::text[], %(limit)s::int,
-    %(from_priority)s::int, %(from_id)s::bigint, %(block_on_dead)s::boolean)
+WITH claimed AS (
+    SELECT * FROM {f}outbox_claim(
+        %(me)s::text, %(lease)s::float8, %(queue)s::text, %(handlers)s::text[], %(limit)s::int,
+        %(from_priority)s::int, %(from_id)s::bigint, %(block_on_dead)s::boolean)
+)
+SELECT c.*, (SELECT m.expires_at FROM {f}outbox_message m WHERE m.id = c.id) AS expires_at,
+       now() AS claimed_at
+  FROM claimed c
 """,
         complete=f"SELECT {f}outbox_complete(%(me)s::text, %(batch)s::jsonb)",
         extend=f"SELECT id FROM {f}outbox_extend(%(me)s::text, %(ids)s::bigint[], %(lease)s::float8) AS id",

@@ -60,6 +60,13 @@ _FUNCTIONS = text(
 )
 
 
+#: Where each claim reads a message's expiry (migration outbox_0018).
+_EXPIRY_COLUMN = text(
+    "SELECT count(*) FROM pg_attribute WHERE attrelid = CAST(:table AS regclass)"
+    " AND attname = 'expires_at' AND NOT attisdropped"
+)
+
+
 def _probe(engine: Engine) -> None:
     with engine.connect() as conn:
         conn.execute(select(outbox_message.c.id).limit(0))
@@ -67,9 +74,18 @@ def _probe(engine: Engine) -> None:
         conn.execute(select(outbox_pause.c.kind).limit(0))
         if engine.dialect.name == "postgresql":
             found = conn.execute(_FUNCTIONS, {"signatures": list(RELAY_FUNCTIONS)}).all()
+            expiry = conn.execute(_EXPIRY_COLUMN, {"table": "outbox_message"}).scalar_one()
+        else:
+            columns = conn.exec_driver_sql("SELECT name FROM pragma_table_info('outbox_message')")
+            expiry = "expires_at" in set(columns.scalars())
+    url = engine.url.render_as_string(hide_password=True)
+    if not expiry:
+        raise DatabaseUnavailable(
+            f"the outbox tables in {url} are older than this relay (no outbox_message.expires_at): "
+            "run `outbox migrate --database-url ...` first"
+        )
     if engine.dialect.name != "postgresql":
         return
-    url = engine.url.render_as_string(hide_password=True)
     missing = [name for name, exists, _, _ in found if not exists]
     if missing:
         raise DatabaseUnavailable(

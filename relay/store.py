@@ -65,6 +65,7 @@ _CLAIMED = (
     m.c.aggregate_type,
     m.c.aggregate_id,
     m.c.created_at,
+    m.c.expires_at,
 )
 
 
@@ -147,7 +148,9 @@ class Store:
         The attempt is counted here, at claim time, so a message that kills its
         relay still uses up attempts and eventually goes dead instead of
         crashing relays forever. Rows sorting before ``start`` are left for a
-        claim from the front (``relay/claim_position.py``).
+        claim from the front (``relay/claim_position.py``). Each row also
+        carries ``claimed_at``, the claim's "now" (``clock``), by which the
+        relay judges whether it has expired (``dispatch.expired``).
 
         On psycopg the relay claims with :meth:`claim_on`; here the same
         call runs through the engine for callers outside the relay (tests,
@@ -186,7 +189,7 @@ class Store:
                 attempts=m.c.attempts + 1,
                 updated_at=now,
             )
-            .returning(*_CLAIMED)
+            .returning(*_CLAIMED, now.label("claimed_at"))
         )
         with self.engine.begin() as conn:
             rows = list(conn.execute(claim, {"lease": self.clock.bind_later(self.lease)}))

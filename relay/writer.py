@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
@@ -198,12 +199,39 @@ class OutcomeWriter:
     async def _record_alone(
         self, batch: list[Outcome], index: int, message: Message, completion: Completion
     ) -> None:
-        """Record one outcome; if the database refuses it, record it without its text instead."""
+        """Record one outcome; if the database refuses it, record it without its text instead.
+
+        An ``expired`` outcome the database refuses (it judges expiry by its own
+        clock, which was stepped back, or someone moved ``expires_at`` by hand)
+        is handed back instead: due again at once, its attempt not counted, so
+        the next claim judges it afresh.
+        """
         try:
             await self._record([completion])
             return
         except (DataError, IntegrityError, ProgrammingError) as exc:
             reason = first_line(exc)
+        if completion.outcome == "expired":
+            log.warning(
+                "the database does not see %s #%d as expired (%s); handing it back",
+                message.event_type,
+                message.id,
+                reason,
+                extra={"action": "db_error", "message_id": message.id, "handler": message.handler},
+            )
+            back = dataclasses.replace(
+                completion,
+                outcome="retry",
+                status="pending",
+                retry_in=0.0,
+                refund=True,
+                error_type="NotExpired",
+                error="the database did not see this message as expired yet; handed back",
+                detail={"counted": False, "refused": reason[:500]},
+            )
+            batch[index] = (message, back)
+            await self._record([back])
+            return
         log.error(
             "outcome of %s #%d was refused by the database (%s); recording it without its text",
             message.event_type,
@@ -265,6 +293,18 @@ class OutcomeWriter:
             )
             if completion.retry_in < rt.poll_interval:
                 rt.loop.call_later(completion.retry_in, rt.wake.set)
+        elif completion.status == "discarded":  # expired: the only discard a relay makes
+            rt.result.expired += 1
+            log.warning(
+                "%s #%d to %s expired at %s before attempt %d; discarded, not delivered",
+                message.event_type,
+                message.id,
+                message.handler,
+                _when(message.expires_at),
+                message.attempt,
+                extra={"action": "expired", **extra},
+            )
+            send(signals.message_expired, rt.outbox, relay=rt.sender, message=message)
         else:
             rt.result.dead += 1
             log.error(
@@ -288,3 +328,7 @@ class OutcomeWriter:
             "attempt": message.attempt,
             "outcome": completion.outcome,
         }
+
+
+def _when(moment: datetime | None) -> str:
+    return "an unknown time" if moment is None else moment.astimezone(UTC).isoformat()

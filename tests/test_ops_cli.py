@@ -297,6 +297,7 @@ def test_stats_counts_every_status_and_the_last_hour(seeded):
     # Every attempt above happened within the hour; requeue/discard rows are not deliveries or failures.
     assert stats["delivered_last_hour"] == outcomes["delivered"] == 2
     assert stats["failed_last_hour"] == outcomes["failed"] + outcomes["dead"] == 4
+    assert stats["expired_last_hour"] == 0
     assert list(stats["oldest_pending_age_s"]) == ["reports"]
     assert 0 <= stats["oldest_pending_age_s"]["reports"] < 600
 
@@ -312,7 +313,7 @@ def test_stats_counts_every_status_and_the_last_hour(seeded):
     assert re.fullmatch(r"oldest due message in queue reports: \d+\.\ds", lines[5]), out
     assert re.fullmatch(r"oldest unfinished message in queue reports: \d+\.\ds", lines[6]), out
     assert lines[7:] == [
-        "last hour: 2 delivered, 4 failed attempts",
+        "last hour: 2 delivered, 4 failed attempts, 0 expired",
         "dead: 2 needing a decision, 0 requeued",
     ]
 

@@ -132,8 +132,18 @@ def test_a_relay_cannot_record_an_outcome_for_a_message_it_never_claimed(roles: 
         {"outcome": "delivered", "status": "dead"},
         {"outcome": "failed", "status": "discarded"},
         {"outcome": "retry", "status": "pending", "refund": 2},
+        {"outcome": "expired", "status": "dead"},
+        {"outcome": "expired", "status": "pending", "refund": 1},
     ],
-    ids=["requeued", "discarded", "delivered-but-dead", "discarded-status", "refund-of-two"],
+    ids=[
+        "requeued",
+        "discarded",
+        "delivered-but-dead",
+        "discarded-status",
+        "refund-of-two",
+        "expired-but-dead",
+        "expired-but-pending",
+    ],
 )
 def test_a_relay_records_only_its_own_kinds_of_outcome(roles: Roles, pg_engine, completion):
     """No forged requeue or discard (they hide a dead message from alerts and the purge), no large refund."""
@@ -233,3 +243,82 @@ def test_a_relay_login_without_the_grants_is_refused_at_start_naming_them(roles:
         outbox.OutboxError, match=r"may not execute outbox_complete: run the GRANT statements"
     ):
         Relay(_relay_ob(), roles.engine("outbox_relay")).run_until_idle()
+
+
+def _expiring_emitted(app_engine: Engine, ob: Outbox, *expiries: datetime | None) -> None:
+    """One message per expiry, emitted over ``app_engine`` (None: the route's expires_after alone)."""
+    maker = sessionmaker(app_engine)
+    ob.install(maker)
+    try:
+        with maker.begin() as session:
+            for n, expires_at in enumerate(expiries):
+                emit(session, "e", {"n": n}, expires_at=expires_at)
+    finally:
+        ob.uninstall(maker)
+
+
+def test_the_relay_login_records_an_expiry_only_for_a_message_the_database_sees_expired(
+    roles: Roles, pg_engine
+):
+    """``expired`` discards a message: the relay's word is not enough for one that is still due."""
+    ob = Outbox()
+    ob.route("e", lambda msg: None, name="r", expires_after=timedelta(hours=1))
+    plain = Outbox()
+    plain.route("e", lambda msg: None, name="r")
+    _expiring_emitted(roles.engine("outbox_app"), ob, None)  # expires in an hour
+    _expiring_emitted(roles.engine("outbox_app"), plain, None)  # never expires
+    due, never = (r.id for r in _messages(pg_engine))
+    relay_engine = roles.engine("outbox_relay")
+    relay = Relay(ob, relay_engine, relay_id="r1")
+    assert len(relay.store.claim("default", ["r"], 2)) == 2
+    for mid in (due, never):
+        batch = [{"id": mid, "attempt": 1, "status": "discarded", "outcome": "expired", "refund": 0}]
+        with (
+            pytest.raises(DBAPIError, match=f"message {mid} has not expired"),
+            relay_engine.connect() as conn,
+        ):
+            conn.execute(text("SELECT outbox_complete('r1', CAST(:b AS jsonb))"), {"b": json.dumps(batch)})
+    with pg_engine.connect() as conn:
+        assert set(conn.execute(select(m.c.status)).scalars()) == {"running"}
+    assert _history(pg_engine) == []
+
+    with pg_engine.begin() as conn:  # its hour is up
+        conn.execute(m.update().where(m.c.id == due).values(expires_at=func.now() - timedelta(seconds=1)))
+    relay.store.complete([_done(due, 1, outcome="expired", status="discarded", error="too late")])
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(m.c.status, m.c.last_error).where(m.c.id == due)).one() == (
+            "discarded",
+            "too late",
+        )
+    (row,) = _history(pg_engine)
+    assert (row.message_id, row.outcome, row.relay_id, row.detail["db_user"]) == (
+        due,
+        "expired",
+        "r1",
+        roles.names["outbox_relay"],
+    )
+
+
+def _messages(pg_engine: Engine) -> list:
+    with pg_engine.connect() as conn:
+        return list(conn.execute(select(m).order_by(m.c.id)))
+
+
+def test_expiry_over_the_guides_logins_end_to_end(roles: Roles, pg_engine):
+    """The application writes expires_at with its column grant; the relay expires what is due."""
+    delivered: list[int] = []
+    ob = Outbox()
+    ob.route("e", lambda msg: delivered.append(msg.payload["n"]), name="r")
+    soon = datetime.now(UTC) + timedelta(milliseconds=300)
+    _expiring_emitted(roles.engine("outbox_app"), ob, soon, datetime.now(UTC) + timedelta(hours=1), None)
+    with pg_engine.connect() as conn:
+        while conn.execute(select(func.now())).scalar_one() <= soon:
+            conn.execute(text("SELECT pg_sleep(0.05)"))
+            conn.rollback()
+    result = Relay(ob, roles.engine("outbox_relay")).run_until_idle()
+    assert (result.delivered, result.expired) == (2, 1)
+    assert sorted(delivered) == [1, 2]
+    with pg_engine.connect() as conn:
+        states = conn.execute(select(m.c.status, m.c.expires_at).order_by(m.c.id)).all()
+    assert [s for s, _ in states] == ["discarded", "delivered", "delivered"]
+    assert states[0][1] == soon and states[2][1] is None

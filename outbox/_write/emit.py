@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import uuid
-from datetime import timedelta
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
 from .. import signals
 from .._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
-from .._routes import check_name, check_priority
+from .._routes import Route, check_name, check_priority
 from .._tracing import emit_headers
 from .install import outbox_for, write_late
 from .payload import check_headers, route_document, serialise_payload, text_problem
@@ -66,6 +67,47 @@ def _check_delay(delay: Any) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def _check_expiry(expires_at: Any, wait: timedelta, routes: Sequence[Route]) -> datetime | None:
+    """``expires_at`` in UTC; refuses one that is naive, already past, or reached before the message is due.
+
+    A message that can only ever expire is a mistake better raised now than
+    discarded quietly later: so is a ``delay`` that reaches a route's
+    ``expires_after``. Past and due are judged by this host's clock; the
+    relay judges expiry by the database's.
+    """
+    for route in routes:
+        if route.expires_after is not None and wait >= route.expires_after:
+            raise InvalidEmitOption(
+                f"delay {wait} is not shorter than route {route.name!r}'s expires_after "
+                f"({route.expires_after}): its message would expire before it is due"
+            )
+    if expires_at is None:
+        return None
+    if not isinstance(expires_at, datetime):
+        raise InvalidEmitOption(f"expires_at must be an aware datetime, got {type(expires_at).__name__}")
+    if expires_at.tzinfo is None or expires_at.utcoffset() is None:
+        raise InvalidEmitOption(
+            f"expires_at must be an aware datetime, got the naive {expires_at.isoformat()}: "
+            "pass one with a tzinfo, e.g. datetime.now(UTC) + timedelta(hours=2)"
+        )
+    try:
+        when = expires_at.astimezone(UTC)
+    except OverflowError:
+        raise InvalidEmitOption(f"expires_at {expires_at.isoformat()} is not a time UTC can hold") from None
+    now = datetime.now(UTC)
+    if when <= now:
+        raise InvalidEmitOption(
+            f"expires_at {when.isoformat()} is already past (now {now.isoformat()}): "
+            "the message would never be sent"
+        )
+    if wait and when <= now + wait:
+        raise InvalidEmitOption(
+            f"expires_at {when.isoformat()} comes before the message is due (delay {wait}): "
+            "it would expire before it is sent"
+        )
+    return when
+
+
 def _check_queue(queue: Any) -> str | None:
     if queue is None:
         return None
@@ -114,6 +156,7 @@ def emit(
     headers: dict[str, str] | None = None,
     priority: int | None = None,
     queue: str | None = None,
+    expires_at: datetime | None = None,
     _aggregate: Any = None,
 ) -> uuid.UUID:
     """Record ``event_type`` in the session's transaction; return the event's id.
@@ -122,6 +165,10 @@ def emit(
     if and only if the transaction (and every enclosing savepoint) commits.
     Everything is validated here, before anything is buffered, so a refused
     event leaves the transaction usable.
+
+    ``expires_at`` (an aware datetime): no relay hands the event to a handler
+    from then on. Each route's message keeps the earlier of it and its
+    route's ``expires_after`` from the time the row is stored.
     """
     sync_session = _sync(session)
     outbox = outbox_for(sync_session)
@@ -138,6 +185,7 @@ def emit(
     key = _check_key("key", key)
     group_key = _check_key("group_key", group_key)
     wait = _check_delay(delay)
+    expires = _check_expiry(expires_at, wait, routes)
     queue = _check_queue(queue)
     if priority is not None:
         check_priority(priority, "priority", InvalidEmitOption)
@@ -168,6 +216,9 @@ def emit(
             "group_key": group_key,
             "max_attempts": route.max_attempts,
             "delay": wait,
+            # The stored expires_at is the earlier of these, from the time the row is written.
+            "expires_given": expires,
+            "expires_after": route.expires_after,
         }
         for route in routes
     ]

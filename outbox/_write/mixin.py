@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from sqlalchemy.orm import object_session
@@ -37,6 +37,7 @@ class OutboxMixin:
         headers: dict[str, str] | None = None,
         priority: int | None = None,
         queue: str | None = None,
+        expires_at: datetime | None = None,
     ) -> uuid.UUID:
         session = object_session(self)
         if session is None:
@@ -54,5 +55,6 @@ class OutboxMixin:
             headers=headers,
             priority=priority,
             queue=queue,
+            expires_at=expires_at,
             _aggregate=self,
         )

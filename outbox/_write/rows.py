@@ -28,23 +28,36 @@ _CONFLICT = ["handler", "idempotency_key"]
 AGGREGATE_LIMIT = 255
 
 
-def _postgresql_insert() -> Insert:
+def _postgresql_insert(*, expiring: bool) -> Insert:
     # Timestamps come from the database clock, the same clock the relay's
     # "available_at <= now()" reads, so app-server clock skew cannot delay a
-    # wake-up or make a delayed message due early.
+    # wake-up or make a delayed message due early. least() skips NULLs: a route
+    # without expires_after leaves the emit's expires_at, and neither leaves NULL.
     now = func.now()
+    expiry = (
+        {
+            "expires_at": func.least(
+                bindparam("expires_given", type_=outbox_message.c.expires_at.type),
+                now + bindparam("expires_after", type_=Interval()),
+            )
+        }
+        if expiring
+        else {}
+    )
     return (
         postgresql.insert(outbox_message)
         .values(
             created_at=now,
             updated_at=now,
             available_at=now + bindparam("delay", type_=Interval()),
+            **expiry,
         )
         .on_conflict_do_nothing(index_elements=_CONFLICT)
     )
 
 
-_POSTGRESQL_INSERT = _postgresql_insert()
+_POSTGRESQL_INSERT = _postgresql_insert(expiring=False)
+_POSTGRESQL_EXPIRING_INSERT = _postgresql_insert(expiring=True)
 _SQLITE_INSERT = sqlite.insert(outbox_message).on_conflict_do_nothing(index_elements=_CONFLICT)
 
 
@@ -99,12 +112,20 @@ _PSYCOPG_COLUMNS = (
 )
 _PSYCOPG_ROW = (
     "(%s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s, %s, %s,"
-    " now(), now(), now() + %s * interval '1 second')"
+    " now(), now(), now() + %s * interval '1 second'"
 )
+#: A batch with an expiry names the column; one without leaves it out, so an application whose
+#: login has the INSERT grant of a guide before outbox_0018 can still emit what does not expire.
+_PSYCOPG_EXPIRING_COLUMNS = f"{_PSYCOPG_COLUMNS}, expires_at"
+_PSYCOPG_EXPIRY = ", least(%s::timestamptz, now() + %s::float8 * interval '1 second')"
 
 
-#: Rows per INSERT: PostgreSQL binds at most 65,535 parameters per statement (13 a row here).
+#: Rows per INSERT: PostgreSQL binds at most 65,535 parameters per statement (15 a row here).
 _ROWS_PER_INSERT = 1000
+
+
+def _expiring(rows: list[dict[str, Any]]) -> bool:
+    return any(row["expires_given"] is not None or row["expires_after"] is not None for row in rows)
 
 
 def _psycopg_statements(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[Any, ...]]]:
@@ -121,9 +142,15 @@ def _psycopg_statements(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[Any
 
 
 def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]]:
+    expiring = _expiring(rows)
+    columns, row_sql = (
+        (_PSYCOPG_EXPIRING_COLUMNS, f"{_PSYCOPG_ROW}{_PSYCOPG_EXPIRY})")
+        if expiring
+        else (_PSYCOPG_COLUMNS, f"{_PSYCOPG_ROW})")
+    )
     sql = (
-        f"INSERT INTO outbox_message ({_PSYCOPG_COLUMNS}) VALUES "
-        + ", ".join([_PSYCOPG_ROW] * len(rows))
+        f"INSERT INTO outbox_message ({columns}) VALUES "
+        + ", ".join([row_sql] * len(rows))
         + " ON CONFLICT (handler, idempotency_key) DO NOTHING"
     )
     params: list[Any] = []
@@ -144,6 +171,9 @@ def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]
             row["max_attempts"],
             row["delay"].total_seconds(),
         )
+        if expiring:
+            after = row["expires_after"]
+            params += (row["expires_given"], None if after is None else after.total_seconds())
     return sql, tuple(params)
 
 
@@ -162,9 +192,23 @@ def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]], *, pipel
         connection.exec_driver_sql(sql, params)
 
 
-def _parsed(row: dict[str, Any]) -> dict[str, Any]:
+#: What emit() puts in a row that is not a column: SQLite works them out in Python.
+_NOT_COLUMNS = ("delay", "expires_given", "expires_after")
+
+
+def _parsed(row: dict[str, Any], *, expiring: bool) -> dict[str, Any]:
     # Core's JSON type serialises what it is given: hand it a fresh object made from the checked text.
-    return {**row, "payload": json.loads(row["payload"])}
+    parsed = {**row, "payload": json.loads(row["payload"])}
+    if not expiring:  # the statement without the column binds neither
+        del parsed["expires_given"], parsed["expires_after"]
+    return parsed
+
+
+def _sqlite_expiry(row: dict[str, Any], now: datetime) -> datetime | None:
+    """The earlier of the emit's expires_at and the route's expires_after from ``now``; None: neither."""
+    after = row["expires_after"]
+    candidates = [t for t in (row["expires_given"], None if after is None else now + after) if t is not None]
+    return min(candidates, default=None)
 
 
 def write_events(connection: Connection, events: list[PendingEvent], *, pipelined: bool = False) -> None:
@@ -181,17 +225,24 @@ def write_events(connection: Connection, events: list[PendingEvent], *, pipeline
         if connection.dialect.driver == "psycopg":
             _psycopg_insert(connection, rows, pipelined=pipelined)
         else:
-            connection.execute(_POSTGRESQL_INSERT, [_parsed(row) for row in rows])
+            expiring = _expiring(rows)
+            connection.execute(
+                _POSTGRESQL_EXPIRING_INSERT if expiring else _POSTGRESQL_INSERT,
+                [_parsed(row, expiring=expiring) for row in rows],
+            )
     elif dialect == "sqlite":
         now = datetime.now(UTC)
+        expiring = _expiring(rows)
         connection.execute(
             _SQLITE_INSERT,
             [
                 {
-                    **{k: v for k, v in _parsed(row).items() if k != "delay"},
+                    **{k: v for k, v in row.items() if k not in _NOT_COLUMNS},
+                    "payload": json.loads(row["payload"]),
                     "created_at": now,
                     "updated_at": now,
                     "available_at": now + row["delay"],
+                    **({"expires_at": _sqlite_expiry(row, now)} if expiring else {}),
                 }
                 for row in rows
             ],

@@ -49,7 +49,10 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
     # Counted from created_at: a message stuck in retries shows here, not above.
     for queue, age in sorted(result.oldest_unfinished_age_s.items()):
         print(f"oldest unfinished message in queue {queue}: {age:.1f}s")
-    print(f"last hour: {result.delivered_last_hour} delivered, {result.failed_last_hour} failed attempts")
+    print(
+        f"last hour: {result.delivered_last_hour} delivered, {result.failed_last_hour} failed attempts,"
+        f" {result.expired_last_hour} expired"
+    )
     # Requeued originals stay dead for the record; only the others still need a decision.
     print(f"dead: {result.dead} needing a decision, {result.dead_requeued} requeued")
     for held in result.paused:
@@ -137,7 +140,7 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
         rows.append(
             [
                 f"{h['attempt']} not counted" if uncounted else h["attempt"],
-                "deferred" if uncounted else h["outcome"],
+                _outcome_label(h["outcome"], uncounted),
                 h["started_at"],
                 h["duration_ms"],
                 f"{by} ({login})" if login is not None and login != by else by,
@@ -150,6 +153,15 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     for title, document in details:
         print(f"\ndetail of {title}:\n{document}")
     return 0
+
+
+def _outcome_label(outcome: str, uncounted: bool) -> str:
+    """A history row's outcome as ``show`` labels it: what happened to the delivery, in a word or two."""
+    if uncounted:
+        return "deferred"
+    if outcome == "expired":  # the relay discarded it unseen: nothing was sent
+        return "expired, not sent"
+    return outcome
 
 
 #: The widest detail the history table shows inline (the table's cell width).

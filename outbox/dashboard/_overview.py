@@ -104,11 +104,12 @@ class Bar:
     delivered: int
     retried: int
     died: int
+    expired: int
     label: str
 
 
 def _bars(minutes: list[ops.MinuteActivity]) -> tuple[list[Bar], int]:
-    peak = max((m.delivered + m.retried + m.died for m in minutes), default=0)
+    peak = max((m.delivered + m.retried + m.died + m.expired for m in minutes), default=0)
     scale = CHART_HEIGHT / peak if peak else 0.0
     bars = [
         Bar(
@@ -116,7 +117,11 @@ def _bars(minutes: list[ops.MinuteActivity]) -> tuple[list[Bar], int]:
             delivered=round(m.delivered * scale),
             retried=round(m.retried * scale),
             died=round(m.died * scale),
-            label=f"{m.minute:%H:%M} delivered {m.delivered}, retried {m.retried}, died {m.died}",
+            expired=round(m.expired * scale),
+            label=(
+                f"{m.minute:%H:%M} delivered {m.delivered}, retried {m.retried}, died {m.died}, "
+                f"expired {m.expired}"
+            ),
         )
         for i, m in enumerate(minutes)
     ]
@@ -169,6 +174,7 @@ def overview_data(engine: Engine, unfinished: Cached, finished: Cached) -> dict[
             "delivered": sum(m.delivered for m in activity),
             "retried": sum(m.retried for m in activity),
             "died": sum(m.died for m in activity),
+            "expired": sum(m.expired for m in activity),
         },
         "relays": ops.relays(engine),
     }

@@ -152,16 +152,20 @@ _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 
 @dataclass(frozen=True, slots=True)
 class MinuteActivity:
-    """One minute of history. ``retried``: outcomes in :data:`ACTIVITY_RETRIED`; ``died``: ``dead``."""
+    """One minute of history. ``retried``: outcomes in :data:`ACTIVITY_RETRIED`; ``died``: ``dead``.
+
+    ``expired``: messages claimed past their ``expires_at`` and discarded unseen.
+    """
 
     minute: datetime  # its start, aware UTC
     delivered: int = 0
     retried: int = 0
     died: int = 0
+    expired: int = 0
 
 
 def activity(engine: Engine, *, minutes: int = 60) -> list[MinuteActivity]:
-    """Deliveries, retries and deaths per minute, oldest first, ending with the current (partial) minute.
+    """Deliveries, retries, deaths and expiries per minute, oldest first, ending with the current minute.
 
     Minutes without history are present with zeros, so a chart's x axis is the
     list as given. Counting happens in the database, grouped by minute and
@@ -178,7 +182,7 @@ def activity(engine: Engine, *, minutes: int = 60) -> list[MinuteActivity]:
         select(bucket, a.c.outcome, func.count())
         .where(
             a.c.started_at >= literal(start, a.c.started_at.type),
-            a.c.outcome.in_(("delivered", "dead", *ACTIVITY_RETRIED)),
+            a.c.outcome.in_(("delivered", "dead", "expired", *ACTIVITY_RETRIED)),
         )
         .group_by(bucket, a.c.outcome)
     )
@@ -197,6 +201,7 @@ def activity(engine: Engine, *, minutes: int = 60) -> list[MinuteActivity]:
                 delivered=per.get("delivered", 0),
                 retried=sum(per.get(o, 0) for o in ACTIVITY_RETRIED),
                 died=per.get("dead", 0),
+                expired=per.get("expired", 0),
             )
         )
     return series

@@ -45,6 +45,8 @@ class Stats:
     failed_last_hour: int  # attempts that did not deliver (retry, failed, timeout, dead, lease_expired)
     dead: int  # dead and not requeued: waiting for an operator
     dead_requeued: int = 0  # dead, with a requeued copy
+    # messages a relay claimed past their expires_at and discarded, never handed to a handler
+    expired_last_hour: int = 0
     # per queue: pending (due or not, retries included) or running messages, from created_at
     oldest_unfinished_age_s: dict[str, float] = field(default_factory=dict)
     # queues and handlers paused now, oldest first, each with the pending messages it holds back
@@ -58,6 +60,7 @@ class Stats:
             "oldest_unfinished_age_s": self.oldest_unfinished_age_s,
             "delivered_last_hour": self.delivered_last_hour,
             "failed_last_hour": self.failed_last_hour,
+            "expired_last_hour": self.expired_last_hour,
             "dead": self.dead,
             "dead_requeued": self.dead_requeued,
             "paused": [p.as_dict() for p in self.paused],
@@ -124,6 +127,7 @@ def stats(engine: Engine, *, counts: bool = True) -> Stats:
         oldest_pending_age_s=oldest,
         delivered_last_hour=outcomes.get("delivered", 0),
         failed_last_hour=failed,
+        expired_last_hour=outcomes.get("expired", 0),
         dead=dead_total - dead_requeued,
         dead_requeued=dead_requeued,
         oldest_unfinished_age_s=unfinished,
