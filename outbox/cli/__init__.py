@@ -22,6 +22,9 @@ so); ``resume`` of something not paused exits 1, so a mistyped name is never
 taken for a resume. Pausing a queue or handler no message has used yet works,
 with a warning on stderr.
 
+``breaker reset`` of a destination whose breaker is not open exits 1, naming
+those that are, as ``resume`` does.
+
 ``--actor`` defaults to the login name; when the system cannot name the user
 (a container running as a uid with no passwd entry), to ``uid:<number>``.
 """
