@@ -400,7 +400,7 @@ def test_stats_and_the_cli_show_open_breakers_and_refuse_what_is_not_open(
     assert_one_line_error(
         run("breaker", "reset", "127.0.0.1:1", "--reason", "r", database_url=database_url),
         1,
-        "outbox breaker: no circuit breaker is open for '127.0.0.1:1'",
+        "outbox breaker reset: no circuit breaker is open for '127.0.0.1:1'",
         f"(open now: {destination})",
     )
     assert_one_line_error(
@@ -410,6 +410,7 @@ def test_stats_and_the_cli_show_open_breakers_and_refuse_what_is_not_open(
     )
     assert_one_line_error(run("breaker", "reset", destination, database_url=database_url), 2, "--reason")
     assert_one_line_error(run("breaker", "list", "--bogus", database_url=database_url), 2)
+    assert_one_line_error(run("breaker", "--json", database_url=database_url), 2, "VERB")
     assert ops.breakers(engine) != []  # nothing was reset by the refusals
     reset = ok_json(
         run("breaker", "reset", destination, "--reason", "back", "--json", database_url=database_url)
