@@ -125,7 +125,7 @@ def test_two_relays_share_an_opening_and_a_reset(pg_engine, pg_url, pg_maker, tw
         # The receiver is back, but neither breaker knows: relay B must skip it on A's word alone,
         # from its next read of the table (at most a second later) on.
         receiver.default = Reply(200)
-        time.sleep(READ_INTERVAL + 0.5)
+        time.sleep(2 * READ_INTERVAL)
         second = emit_to(pg_maker, "b", 2)
         wait_until(lambda: history(pg_engine, second), "relay B to attempt")
         (skip,) = history(pg_engine, second)
@@ -213,7 +213,7 @@ def test_retry_now_clears_the_breaker_for_every_relay(pg_engine, pg_url, pg_make
     relay_b = relay(shop_b, pg_engine, "relay-b", "b")
     try:
         destination, first = opened_by_relay_a(receiver, pg_engine, pg_maker)
-        time.sleep(READ_INTERVAL + 0.5)
+        time.sleep(2 * READ_INTERVAL)
         second = emit_to(pg_maker, "b", 2)
         wait_until(lambda: history(pg_engine, second), "relay B to defer")
         assert len(receiver.requests) == 2
@@ -267,7 +267,7 @@ def test_a_successful_trial_closes_the_breaker_for_every_relay(pg_engine, pg_mak
         wait_until(lambda: ops.breakers(pg_engine), "relay A to open the breaker")
         destination = f"127.0.0.1:{receiver.port}"
         # Relay B meets the breaker (it defers a message), then the receiver comes back.
-        time.sleep(READ_INTERVAL + 0.2)
+        time.sleep(2 * READ_INTERVAL)
         second = emit_to(factory, "b", 2)
         wait_until(lambda: history(pg_engine, second), "relay B to defer")
         assert handler_of(shop_b).outbox_breaker_states() == {destination: True}
