@@ -14,7 +14,8 @@ through at once instead of a cool-down later. A trial that never reports (its
 caller was cancelled) stops blocking after another cooldown.
 
 Thread-safe (one ``threading.Lock``), with no asyncio state: the same breaker
-serves async handlers on any event loop and plain handlers on worker threads.
+serves async handlers on any event loop (``acquire_checked``) and plain
+handlers on worker threads (``acquire``).
 
 ::
 
@@ -26,23 +27,39 @@ serves async handlers on any event loop and plain handlers on worker threads.
         permit.release()                           # no verdict on the destination
         raise
     permit.success() if ok else permit.failure()
+
+Shared by every relay (``share``): a relay offers each breaker its run's
+:class:`~outbox._breaker_board.BreakerBoard`, a copy of ``outbox_breaker`` read
+about once a second. The breaker still decides in memory; what it learns from
+the copy it follows (another relay opened a destination: open here too, until
+the shared reopen time; the row is gone: a trial succeeded elsewhere, or an
+operator reset it, so close here too), and what it decides (opened, reopened
+after a failed trial, closed by a successful delivery) it hands to the board to
+write. Each relay still sends at most one trial request per cool-down; the
+first to succeed closes the breaker for all. Without a board, or while the
+board cannot reach the table, the breaker is this process's alone, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 from outbox import ConfigurationError
+from outbox._breaker_board import BreakerBoard, SharedBreaker
 
 __all__ = ["CircuitBreaker", "CircuitOpen", "Permit"]
 
 #: While a half-open trial is in flight, the others ask again after this many seconds (at most).
 TRIAL_WAIT = 1.0
+#: The longest a delivery about to be turned away waits for a fresh read of the shared breakers.
+FRESH_WAIT = 1.0
 
 log = logging.getLogger("outbox.integrations.breaker")
 
@@ -61,20 +78,23 @@ class CircuitOpen(Exception):
 @dataclass(slots=True)
 class _State:
     failures: int = 0
-    opened_at: float | None = None  # None while closed
+    reopen_at: float | None = None  # None while closed; when open, the clock() time it turns half-open
     trial_started: float | None = None  # a half-open trial is in flight
+    #: the shared row this state last followed (its ``updated_at``); None: none seen since it opened
+    version: datetime | None = None
 
 
 class Permit:
     """Leave to make one call to a destination; report its verdict exactly once."""
 
-    __slots__ = ("_breaker", "_done", "key", "trial")
+    __slots__ = ("_breaker", "_done", "key", "route", "trial")
 
-    def __init__(self, breaker: CircuitBreaker, key: str, trial: bool) -> None:
+    def __init__(self, breaker: CircuitBreaker, key: str, trial: bool, route: str = "") -> None:
         self._breaker = breaker
         self._done = False
         self.key = key
         self.trial = trial
+        self.route = route
 
     def success(self) -> None:
         """The destination answered sanely: close the breaker and reset its count."""
@@ -117,18 +137,96 @@ class CircuitBreaker:
         self._clock = clock
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
+        self._boards: list[BreakerBoard] = []  # the newest open one is followed
 
     def __repr__(self) -> str:
         return f"<CircuitBreaker threshold={self.threshold} cooldown={self.cooldown:g}s>"
 
-    def acquire(self, key: str) -> Permit:
-        """A permit to call ``key``, or :class:`CircuitOpen` with the time left to wait."""
+    # -- shared by every relay --------------------------------------------------------------
+
+    def share(self, board: BreakerBoard) -> None:
+        """Follow ``board`` and write this breaker's decisions to it, until the board is closed."""
+        with self._lock:
+            self._boards = [b for b in self._boards if not b.closed and b is not board] + [board]
+        board.listen(self)
+
+    def _board(self) -> BreakerBoard | None:
+        for board in reversed(self._boards):
+            if not board.closed:
+                return board
+        return None
+
+    def follow(self, board: BreakerBoard, shared: Mapping[str, SharedBreaker]) -> None:
+        """A fresh copy of the shared table: open what another relay opened, close what is gone.
+
+        Only destinations this breaker has met are followed (a new one is looked
+        up when first asked for), and none with a decision of ours not written
+        yet: the copy may predate it.
+        """
+        with self._lock:
+            if board is not self._board():
+                return
+            for key, state in self._states.items():
+                if board.pending(key):
+                    continue
+                row = shared.get(key)
+                if row is None:
+                    shared_once = state.version is not None or board.wrote_opening(key)
+                    if state.reopen_at is not None and shared_once:
+                        # It was in the table, and is not any more: closed by another relay's
+                        # successful trial, an operator's reset, or a retry-now.
+                        self._close(key, state, "closed elsewhere (a relay's trial, a reset or retry-now)")
+                    continue
+                if row.version == state.version:
+                    if state.reopen_at is None:
+                        board.recovered(key)  # our closing never reached the table: once more
+                    continue
+                self._adopt(key, state, row)
+
+    def _adopt(self, key: str, state: _State, row: SharedBreaker) -> None:
+        if state.reopen_at is None:
+            log.warning(
+                "circuit breaker for %s opened by relay %s (route %s); pausing %.0fs",
+                key,
+                row.opened_by,
+                row.handler,
+                max(0.0, row.reopen_at - self._clock()),
+                extra={"action": "breaker_open", "destination": key, "opened_by": row.opened_by},
+            )
+        state.version = row.version
+        state.reopen_at = row.reopen_at
+
+    def _close(self, key: str, state: _State, how: str) -> None:
+        log.info(
+            "circuit breaker for %s %s",
+            key,
+            how,
+            extra={"action": "breaker_closed", "destination": key},
+        )
+        # The key stays, reported closed, so a metrics gauge that saw it open goes back to 0.
+        state.failures, state.reopen_at, state.trial_started = 0, None, None
+
+    # -- deciding ---------------------------------------------------------------------------
+
+    def acquire(self, key: str, *, route: str = "") -> Permit:
+        """A permit to call ``key``, or :class:`CircuitOpen` with the time left to wait.
+
+        ``route`` names the route delivering: a breaker it opens is recorded under it.
+        """
         with self._lock:
             state = self._states.get(key)
-            if state is None or state.opened_at is None:
-                return Permit(self, key, trial=False)
+            if state is None or state.reopen_at is None:
+                board = self._board() if self._boards else None
+                row = None if board is None else board.get(key)
+                if row is None or (state is not None and row.version == state.version):
+                    return Permit(self, key, trial=False, route=route)
+                if board is not None and board.pending(key):
+                    return Permit(self, key, trial=False, route=route)
+                state = self._states.setdefault(key, _State())
+                self._adopt(key, state, row)
+                assert state.reopen_at is not None
             now = self._clock()
-            remaining = state.opened_at + self.cooldown - now
+            remaining = state.reopen_at - now
             if remaining > 0:
                 raise CircuitOpen(key, remaining)
             if state.trial_started is not None and now - state.trial_started < self.cooldown:
@@ -138,13 +236,40 @@ class CircuitBreaker:
                 left = state.trial_started + self.cooldown - now
                 raise CircuitOpen(key, min(left, self.trial_wait), half_open=True)
             state.trial_started = now
-            return Permit(self, key, trial=True)
+            return Permit(self, key, trial=True, route=route)
+
+    async def acquire_checked(self, key: str, *, route: str = "") -> Permit:
+        """:meth:`acquire`, but a refusal is first checked against a fresh read of the shared breakers.
+
+        The copy a breaker follows may be a second old, and an operator's
+        reset or retry-now of a moment ago is what made this delivery due: it
+        must not be turned away for a whole cool-down by what the copy said
+        before. Only a refusal waits (for one read shared by every delivery
+        refused meanwhile, at most ``FRESH_WAIT``); without a board, or while
+        the board cannot read the table, the refusal stands at once.
+        """
+        try:
+            return self.acquire(key, route=route)
+        except CircuitOpen:
+            with self._lock:
+                board = self._board() if self._boards else None
+            if board is None or not board.readable:
+                raise
+            try:
+                async with asyncio.timeout(FRESH_WAIT):
+                    fresh = await asyncio.wrap_future(board.read_after())
+            except TimeoutError:
+                fresh = False
+            if not fresh:
+                raise
+        return self.acquire(key, route=route)
 
     def _report(self, permit: Permit, ok: bool | None) -> None:
         with self._lock:
             state = self._states.get(permit.key)
+            board = self._board() if self._boards else None
             if state is None:
-                if ok is not False:
+                if ok is None or (ok and (board is None or board.get(permit.key) is None)):
                     return  # healthy destinations keep no state
                 state = self._states[permit.key] = _State()
             if permit.trial:
@@ -152,18 +277,16 @@ class CircuitBreaker:
             if ok is None:
                 return
             if ok:
-                if state.opened_at is not None:
-                    log.info(
-                        "circuit breaker for %s closed",
-                        permit.key,
-                        extra={"action": "breaker_closed", "destination": permit.key},
-                    )
-                # The key stays, reported closed, so a metrics gauge that saw it open goes back to 0.
-                state.failures, state.opened_at, state.trial_started = 0, None, None
+                was_open = state.reopen_at is not None
+                if was_open:
+                    self._close(permit.key, state, "closed")
+                state.failures = 0
+                if board is not None and (was_open or board.get(permit.key) is not None):
+                    board.recovered(permit.key)  # for every relay
                 return
             state.failures += 1
-            if permit.trial or (state.opened_at is None and state.failures >= self.threshold):
-                state.opened_at = self._clock()
+            if permit.trial or (state.reopen_at is None and state.failures >= self.threshold):
+                state.reopen_at = self._clock() + self.cooldown
                 log.warning(
                     "circuit breaker for %s opened after %d consecutive failures; pausing %.0fs",
                     permit.key,
@@ -171,13 +294,15 @@ class CircuitBreaker:
                     self.cooldown,
                     extra={"action": "breaker_open", "destination": permit.key},
                 )
+                if board is not None:
+                    board.opened(permit.key, permit.route or "?", state.failures, self.cooldown)
 
     def is_open(self, key: str) -> bool:
         with self._lock:
             state = self._states.get(key)
-            return state is not None and state.opened_at is not None
+            return state is not None and state.reopen_at is not None
 
     def states(self) -> dict[str, bool]:
         """``{key: is_open}`` for every key that has failed at least once (metrics read this)."""
         with self._lock:
-            return {key: s.opened_at is not None for key, s in self._states.items()}
+            return {key: s.reopen_at is not None for key, s in self._states.items()}

@@ -39,7 +39,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -64,6 +64,9 @@ from ._webhook_http import (
     post,
 )
 from ._webhook_http import retry_after as retry_after  # importable from here, as before
+
+if TYPE_CHECKING:
+    from outbox._breaker_board import BreakerBoard
 
 __all__ = [
     "WebhookHandler",
@@ -113,8 +116,9 @@ class WebhookHandler:
     each payload, so ``headers`` are refused unless
     ``headers_to_payload_urls=True`` says every such host may see them. After
     ``breaker_threshold`` consecutive failures a destination is paused for
-    ``breaker_cooldown`` seconds. ``rate_limit`` caps requests per second
-    per destination across every concurrent delivery of the relay, and
+    ``breaker_cooldown`` seconds, by every relay of the database
+    (``outbox_breaker``). ``rate_limit`` caps requests per second per
+    destination across every concurrent delivery of the relay, and
     ``max_connections`` caps the requests open to one destination at once
     (``None``: as many as the relay has deliveries in flight). A destination
     is the URL's ``host:port`` spelled one way, so ``https://Example.com.:443/``
@@ -224,6 +228,10 @@ class WebhookHandler:
         """``{destination: is_open}`` (``host:port``) for the relay's ``outbox_breaker_open`` gauge."""
         return self.breaker.states()
 
+    def outbox_share_breakers(self, board: BreakerBoard) -> None:
+        """The relay's copy of ``outbox_breaker``: this handler's breakers follow it and write to it."""
+        self.breaker.share(board)
+
     async def outbox_shutdown(self) -> None:
         """Close the HTTP clients of the running loop (the relay calls this when it stops)."""
         loop = asyncio.get_running_loop()
@@ -258,7 +266,7 @@ class WebhookHandler:
         body = self._body(message)
         msg_id = webhook_id(message)
         try:
-            permit = self.breaker.acquire(target.destination)
+            permit = await self.breaker.acquire_checked(target.destination, route=message.handler)
         except CircuitOpen as exc:
             state = "half-open, a trial request is in flight" if exc.half_open else "open"
             raise RetryLater(

@@ -35,11 +35,14 @@ from ._types import JSONDocument, RowId, UTCDateTime
 
 __all__ = [
     "ATTEMPT_OUTCOMES",
+    "BREAKER_EVENTS",
     "MESSAGE_STATUSES",
     "PAUSE_EVENTS",
     "PAUSE_KINDS",
     "metadata",
     "outbox_attempt",
+    "outbox_breaker",
+    "outbox_breaker_log",
     "outbox_message",
     "outbox_pause",
     "outbox_pause_log",
@@ -64,6 +67,9 @@ ATTEMPT_OUTCOMES: Final = (
 )
 PAUSE_KINDS: Final = ("queue", "handler")
 PAUSE_EVENTS: Final = ("paused", "resumed")
+#: A circuit breaker opened by a relay, closed by a relay's successful trial, reset by an operator
+#: (``outbox breaker reset``) or cleared by ``outbox retry-now`` of a message it held back.
+BREAKER_EVENTS: Final = ("opened", "closed", "reset", "retried_now")
 
 #: Deterministic constraint names, so migrations and autogenerate agree on them.
 NAMING_CONVENTION: Final = {
@@ -279,4 +285,47 @@ outbox_relay_registry = Table(
     Column("queues", JSONDocument, nullable=False),
     Column("in_flight", Integer, nullable=False, server_default=literal_column("0")),
     Column("handlers", JSONDocument, nullable=False),
+)
+
+#: The circuit breakers every relay honours (migration outbox_0019): one row per destination while
+#: its breaker is open or half-open, deleted when a trial succeeds or an operator resets it. Open
+#: until ``reopen_at``, half-open after it (each relay may send one trial request). ``handler`` is
+#: the route whose deliveries opened it, ``opened_by`` that relay's id, ``failures`` the consecutive
+#: failures that opened it (plus one per failed trial). On PostgreSQL relays write it only through
+#: ``outbox_breaker_open`` and ``outbox_breaker_close``, operators through ``outbox_breaker_reset``.
+outbox_breaker = Table(
+    "outbox_breaker",
+    metadata,
+    Column("destination", Text, primary_key=True),
+    Column("handler", String(255), nullable=False),
+    Column("failures", Integer, nullable=False),
+    Column("opened_at", UTCDateTime, nullable=False),
+    Column("reopen_at", UTCDateTime, nullable=False),
+    Column("opened_by", String(255), nullable=False),
+    #: the last change (open or reopen): a relay tells a breaker reopened since it looked by this
+    Column("updated_at", UTCDateTime, nullable=False),
+    CheckConstraint("failures >= 1", name="failures"),
+)
+
+#: Every opening, closing and reset of a shared breaker, append-only (migration outbox_0019 refuses
+#: UPDATE, DELETE and TRUNCATE): which relay or operator, why, when, and on PostgreSQL the login.
+#: A breaker that a failed trial reopens is still the same opening: one row per outage, not per
+#: cool-down.
+outbox_breaker_log = Table(
+    "outbox_breaker_log",
+    metadata,
+    Column("id", RowId, Identity(), primary_key=True),
+    Column("event", String(16), nullable=False),
+    Column("destination", Text, nullable=False),
+    Column("handler", String(255), nullable=False),
+    Column("at", UTCDateTime, nullable=False),
+    Column("relay_id", String(255)),  # opened, closed
+    Column("actor", String(255)),  # reset, retried_now
+    Column("reason", Text),  # reset, retried_now
+    Column("failures", Integer),  # opened
+    #: PostgreSQL: the login that wrote the row, stamped by the database; NULL on SQLite
+    Column("db_user", String(255)),
+    CheckConstraint(_one_of("event", BREAKER_EVENTS), name="event"),
+    Index("ix_outbox_breaker_log_destination", "destination", "id"),
+    sqlite_autoincrement=True,
 )

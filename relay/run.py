@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from outbox import signals
 
 from .announce import send
+from .breakers import SharedBreakers
 from .claimer import Claimer
 from .db import Listener
 from .hooks import bind_handlers, shutdown_handlers, start_handlers
@@ -64,6 +65,7 @@ class RelayRun:
             period=settings.registry_interval,
             in_flight=lambda: len(claimer.inflight),
         )
+        self.breakers = SharedBreakers(rt, settings.engine)
         self.listener: Listener | None = None  # made when serving, if the relay listens
         self.background: list[asyncio.Task[Any]] = []
 
@@ -133,7 +135,8 @@ class RelayRun:
                 send(signals.relay_stopped, settings.outbox, relay=self.sender)
 
     async def _start(self) -> None:
-        """The database check, then the handlers' bind and start hooks (``hooks.py`` says what stops it)."""
+        """The database check, the handlers' bind and start hooks (``hooks.py`` says what stops it), then
+        the shared circuit breakers (``breakers.py``)."""
         settings = self.settings
         await check_database(self.rt, settings.engine)
         bind_handlers(settings.routes.values(), settings.engine, settings.redactor)
@@ -143,6 +146,7 @@ class RelayRun:
             lease=settings.lease,
             poll_interval=settings.poll_interval,
         )
+        await self.breakers.start(settings.routes.values(), settings.redactor)
 
     def _task(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         """A background task that is restarted, loudly, if it ever fails or ends."""
@@ -233,6 +237,7 @@ class RelayRun:
         return rt.result
 
     async def _close(self) -> None:
+        await self.breakers.stop()  # what the breakers decided last is written before the engine goes
         await self.claimer.close()
         await self.writer.close()
         self.rt.close()

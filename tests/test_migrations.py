@@ -25,6 +25,8 @@ OUTBOX_TABLES = {
     "outbox_pause",
     "outbox_pause_log",
     "outbox_relay_registry",
+    "outbox_breaker",
+    "outbox_breaker_log",
     "outbox_report_run",
     "outbox_report_chunk",
     "outbox_email_sent",

@@ -439,6 +439,98 @@ def test_the_operator_resends_over_its_own_login_and_the_database_stamps_it(
     )
 
 
+def test_relays_share_breakers_and_the_operator_resets_them_over_their_own_logins(roles, pg_engine, request):
+    """The relay opens and closes shared breakers through its functions, the operator resets them."""
+    from test_webhook import LOCAL, SECRET, Receiver, Reply, serve
+
+    from outbox.integrations.webhook import WebhookHandler
+
+    app, relay_engine, operator = (roles.engine(r) for r in ROLES)
+    receiver = Receiver()
+    receiver.default = Reply(500)
+    serving = serve(receiver)
+    next(serving)
+    request.addfinalizer(lambda: next(serving, None))
+    ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
+    handler = WebhookHandler(
+        receiver.url(), SECRET, allowed_networks=LOCAL, breaker_threshold=1, breaker_cooldown=60
+    )
+    ob.route("order.paid", handler, name="partner", max_attempts=20)
+    maker: sessionmaker[Session] = sessionmaker(app)
+    ob.install(maker)
+    request.addfinalizer(lambda: ob.uninstall(maker))
+    for order in (1, 2):
+        with maker.begin() as s:
+            emit(s, "order.paid", {"order_id": order}, key=f"order:{order}")
+    Relay(ob, relay_engine, relay_id="relay-1").run_until_idle()
+    destination = f"127.0.0.1:{receiver.port}"
+    url = roles.urls["outbox_operator"]
+    (listed,) = ok_json(run("breaker", "list", "--json", database_url=url))
+    assert (listed["destination"], listed["route"], listed["opened_by"]) == (
+        destination,
+        "partner",
+        "relay-1",
+    )
+
+    # Reset over the operator's login: every relay sends again; a successful delivery is no news.
+    ok(
+        run(
+            "breaker",
+            "reset",
+            destination,
+            "--reason",
+            "partner is back",
+            "--actor",
+            "alice",
+            database_url=url,
+        )
+    )
+    receiver.default = Reply(200)
+    done = ops.retry_now(operator, ops.MessageFilter(handler="partner"), reason="send them", actor="alice")
+    assert len(done) == 2
+    assert Relay(ob, relay_engine, relay_id="relay-1").run_until_idle().delivered == 2
+    # Down again: the relay opens it; a retry-now over the operator's login clears it.
+    receiver.default = Reply(500)
+    with maker.begin() as s:
+        emit(s, "order.paid", {"order_id": 3}, key="order:3")
+    Relay(ob, relay_engine, relay_id="relay-1").run_until_idle()
+    assert len(ops.breakers(operator)) == 1
+    retried = ["retry-now", "--handler", "partner", "--reason", "back", "--actor", "alice", "--yes"]
+    ok(run(*retried, database_url=url))
+    assert ops.breakers(operator) == []
+    with pg_engine.connect() as conn:
+        logged = conn.execute(select(outbox.outbox_breaker_log).order_by(text("id"))).all()
+    relay_login, operator_login = roles.names["outbox_relay"], roles.names["outbox_operator"]
+    assert [(r.event, r.relay_id, r.actor, r.db_user) for r in logged] == [
+        ("opened", "relay-1", None, relay_login),
+        ("reset", None, "alice", operator_login),
+        ("opened", "relay-1", None, relay_login),
+        ("retried_now", None, "alice", operator_login),
+    ]
+
+    # Only the functions write: neither login can open, close or log a breaker with plain SQL.
+    fake = (
+        "INSERT INTO outbox_breaker (destination, handler, failures, opened_at, reopen_at, opened_by,"
+        " updated_at) VALUES ('x:1', 'partner', 1, now(), now() + interval '1 day', 'r', now())"
+    )
+    for login in (relay_engine, operator):
+        for statement in (
+            fake,
+            "DELETE FROM outbox_breaker",
+            "UPDATE outbox_breaker SET reopen_at = now()",
+            "INSERT INTO outbox_breaker_log (event, destination, handler, at)"
+            " VALUES ('reset', 'x:1', 'partner', now())",
+        ):
+            refused(login, statement)
+    refused(relay_engine, "SELECT id FROM outbox_breaker_log")
+    refused(app, "SELECT destination FROM outbox_breaker")
+    assert_one_line_error(
+        run("breaker", "reset", destination, "--reason", "r", database_url=roles.urls["outbox_relay"]),
+        1,
+        "may not run the outbox action functions",
+    )
+
+
 def _ids(engine: Engine) -> dict[tuple[str, str | None], int]:
     with engine.connect() as conn:
         return {(r.handler, r.idempotency_key): r.id for r in conn.execute(select(m))}

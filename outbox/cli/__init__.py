@@ -22,6 +22,9 @@ so); ``resume`` of something not paused exits 1, so a mistyped name is never
 taken for a resume. Pausing a queue or handler no message has used yet works,
 with a warning on stderr.
 
+``breaker reset`` of a destination whose breaker is not open exits 1, naming
+those that are, as ``resume`` does.
+
 ``--actor`` defaults to the login name; when the system cannot name the user
 (a container running as a uid with no passwd entry), to ``uid:<number>``.
 """
@@ -56,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "dashboard":
         check_dashboard_args(parser, args)
     shown = make_url(url).render_as_string(hide_password=True)
+    # What errors are prefixed with: the subcommand, and its verb where it has one (`breaker reset`).
+    said = " ".join(filter(None, (args.command, getattr(args, "breaker_command", None))))
     if args.command == "migrate":
         try:
             applied = upgrade(url, args.revision)
@@ -73,10 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine = sync_engine(url)
     except ConfigurationError as error:
-        print(f"{PROG} {args.command}: {error}", file=sys.stderr)
+        print(f"{PROG} {said}: {error}", file=sys.stderr)
         return 2
     except Exception as error:
-        print(f"{PROG} {args.command}: cannot use {shown}: {first_line(error)}", file=sys.stderr)
+        print(f"{PROG} {said}: cannot use {shown}: {first_line(error)}", file=sys.stderr)
         return 2
     try:
         code = COMMANDS[args.command](engine, args)
@@ -89,23 +94,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 1
     except (ops.OpsError, Failed) as error:
-        print(f"{PROG} {args.command}: {error}", file=sys.stderr)
+        print(f"{PROG} {said}: {error}", file=sys.stderr)
         return 1
     except SQLAlchemyError as error:
         missing = missing_outbox_table(error)
         if missing is not None:
             print(
-                f"{PROG} {args.command}: the outbox tables are missing in {shown} (no {missing}):"
+                f"{PROG} {said}: the outbox tables are missing in {shown} (no {missing}):"
                 " run `outbox migrate --database-url ...` first",
                 file=sys.stderr,
             )
             return 1
-        print(f"{PROG} {args.command}: database error on {shown}: {first_line(error)}", file=sys.stderr)
+        print(f"{PROG} {said}: database error on {shown}: {first_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         # Every change is its own committed transaction (a purge batch included), so what
         # finished is recorded and the rest did not happen.
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        print(f"{PROG} {said}: interrupted", file=sys.stderr)
         return 130
     finally:
         engine.dispose()

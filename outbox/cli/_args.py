@@ -277,6 +277,26 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
         sub.add_argument("--json", action="store_true")
 
+    breaker = commands.add_parser(
+        "breaker",
+        help="circuit breakers every relay shares: list them, reset one",
+        description="Circuit breakers the relays share through the database (outbox_breaker).",
+    )
+    verbs = breaker.add_subparsers(dest="breaker_command", required=True, metavar="VERB")
+    listed = verbs.add_parser("list", help="open and half-open breakers, oldest first")
+    _add_database(listed)
+    listed.add_argument("--json", action="store_true")
+    reset = verbs.add_parser(
+        "reset",
+        help="close a destination's breaker for every relay",
+        description="Close a destination's breaker for every relay, recorded with actor and reason.",
+    )
+    _add_database(reset)
+    reset.add_argument("destination", type=_text, metavar="DEST", help="host:port, as `list` shows it")
+    reset.add_argument("--reason", type=_text, required=True, help="why: recorded in outbox_breaker_log")
+    reset.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
+    reset.add_argument("--json", action="store_true")
+
     purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
     _add_database(purge)
     purge.add_argument("--delivered-older-than", type=_age, required=True, metavar="AGE", help="e.g. 30d")

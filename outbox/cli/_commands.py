@@ -60,6 +60,11 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
             f"paused: {held.kind} {held.name} since {_when(held.paused_at)} by {held.actor}"
             f" ({_flat(held.reason)}), holding back {held.held_back} pending"
         )
+    for breaker in result.breakers:
+        print(
+            f"circuit breaker {breaker.state}: {breaker.destination} (route {breaker.route})"
+            f" since {_when(breaker.since)}, {breaker.failures} failures, reopens {_when(breaker.reopen_at)}"
+        )
     return 0
 
 
@@ -354,6 +359,37 @@ def _cmd_pause(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_breaker(engine: Engine, args: argparse.Namespace) -> int:
+    if args.breaker_command == "list":
+        found = ops.breakers(engine)
+        if args.json:
+            _print_json([breaker.as_dict() for breaker in found])
+        elif not found:
+            print("no circuit breaker is open")
+        else:
+            rows = [
+                [x.destination, x.route, x.state, _when(x.since), x.failures, _when(x.reopen_at), x.opened_by]
+                for x in found
+            ]
+            _table(
+                rows,
+                ["destination", "route", "state", "since", "failures", "reopen at", "opened by"],
+            )
+        return 0
+    actor = args.actor or login_name()
+    was = ops.reset_breaker(engine, args.destination, reason=args.reason, actor=actor)
+    if args.json:
+        _print_json({"reset": was.as_dict()})
+    else:
+        print(
+            f"reset the circuit breaker for {was.destination} (route {was.route}, {was.state} since"
+            f" {_when(was.since)} after {was.failures} failures); every relay sends to it again within a"
+            f" second. Messages it deferred keep their time: `{PROG} retry-now --handler {was.route}`"
+            " sends them now"
+        )
+    return 0
+
+
 def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
     result = ops.purge(
         engine,
@@ -382,5 +418,6 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "pause": _cmd_pause,
     "resume": _cmd_pause,
     "purge": _cmd_purge,
+    "breaker": _cmd_breaker,
     "dashboard": run_dashboard,
 }

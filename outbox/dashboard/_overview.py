@@ -3,7 +3,7 @@
 Pending, running and dead messages are counted in one pass (an index scan
 over a small fraction of the table) at most once a second however many pages
 are open, and again as soon as the live feed sees a change. The last hour of
-history, pauses and relays are read per request. Finished messages
+history, pauses, circuit breakers and relays are read per request. Finished messages
 (delivered, discarded) are most of a mature table, and counting them means
 reading all of it, about 0.2 s per million rows; those counts are refreshed
 in a background thread at most every ``finished_max_age`` seconds and shown
@@ -137,7 +137,7 @@ class Summary:
 
 
 def overview_data(engine: Engine, unfinished: Cached, finished: Cached) -> dict[str, Any]:
-    """The unfinished and finished counts as cached, the last hour of history, pauses and relays."""
+    """The unfinished and finished counts as cached, the last hour of history, pauses, breakers, relays."""
     live, _ = unfinished.get()
     done, age = finished.get()
     now = datetime.now(UTC)
@@ -176,5 +176,6 @@ def overview_data(engine: Engine, unfinished: Cached, finished: Cached) -> dict[
             "died": sum(m.died for m in activity),
             "expired": sum(m.expired for m in activity),
         },
+        "breakers": ops.breakers(engine),
         "relays": ops.relays(engine),
     }

@@ -1,5 +1,5 @@
 """Operations: stats, list, show, requeue, resend, discard, retry-now, pause and resume, retention,
-relays, dashboard reads.
+relays, circuit breakers, dashboard reads.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ._actions import discard, requeue, retry_now
 from ._base import NotFound, OpsError, parse_duration
+from ._breakers import Breaker, BreakerNotOpen, breakers, reset_breaker
 from ._dashboard import (
     ACTIVITY_RETRIED,
     MAX_ACTIVITY_MINUTES,
@@ -54,6 +55,8 @@ __all__ = [
     "REGISTRY_PERIOD",
     "ROOT_KEY_LIMIT",
     "HandlerSeen",
+    "Breaker",
+    "BreakerNotOpen",
     "CappedCount",
     "DeadChunk",
     "HistoryEntry",
@@ -80,6 +83,7 @@ __all__ = [
     "WhereError",
     "activity",
     "breakdown",
+    "breakers",
     "candidate_ids",
     "change_marker",
     "count_candidates",
@@ -101,6 +105,7 @@ __all__ = [
     "requeue_candidates",
     "requeued_key",
     "resend",
+    "reset_breaker",
     "resent_key",
     "resume",
     "retry_now",

@@ -22,6 +22,7 @@ from ._base import (
     _record_action,
     m,
 )
+from ._breakers import clear_for_retry
 from ._copies import COPY_COLUMNS, REQUEUE, copy_rows
 from ._filters import MessageFilter, _all_or_none, _filtered_batches, _named, _tried, _waiting
 from ._in_database import call
@@ -149,7 +150,11 @@ def _make_due(
     include_delayed: bool,
     strict: bool,
 ) -> list[int]:
-    """Make those of ``rows`` still waiting due at ``now``, each with a history row; returns their ids."""
+    """Make those of ``rows`` still waiting due at ``now``, each with a history row; returns their ids.
+
+    The circuit breakers that would turn them away again are cleared in the
+    same transaction (``clear_for_retry``).
+    """
     if not rows:
         return []
     if conn.dialect.name == "postgresql":
@@ -162,7 +167,9 @@ def _make_due(
             include_delayed=include_delayed,
             strict=strict,
         )
-        return sorted(r[0] for r in found)
+        done = sorted(r[0] for r in found)
+        clear_for_retry(conn, rows, done, actor=actor, reason=reason)
+        return done
     due = set(
         conn.execute(
             update(m)
@@ -179,6 +186,7 @@ def _make_due(
         if row.id in due:
             due_at = row.available_at.isoformat()
             _record_action(conn, row, "retried_now", actor, reason, now, was_due_at=due_at)
+    clear_for_retry(conn, rows, sorted(due), actor=actor, reason=reason)
     return sorted(due)
 
 
@@ -198,7 +206,10 @@ def retry_now(
     ``retried_now`` history row naming the actor, the reason and
     ``detail.was_due_at``. Its attempt count, priority, queue and group stay as
     they are: it is the same message, retried sooner. On PostgreSQL the relays
-    are woken at once (NOTIFY on the channel they listen on).
+    are woken at once (NOTIFY on the channel they listen on). The circuit
+    breakers that turned one of them away, or that their routes opened, are
+    reset for every relay (logged as ``retried_now`` with the same actor and
+    reason): a relay would defer them again at once otherwise.
 
     A message emitted with a ``delay`` and never attempted is left alone, since
     someone asked for that delay: ``include_delayed=True`` pulls those forward
@@ -213,7 +224,7 @@ def retry_now(
     _check_reason(reason, actor)
     _check_batch_size(batch_size)
     now = _now()
-    columns = [m.c.id, m.c.status, m.c.attempts, m.c.available_at]
+    columns = [m.c.id, m.c.handler, m.c.status, m.c.attempts, m.c.available_at]
     waiting = _waiting(now, include_delayed)
     if where.ids:
         with engine.begin() as conn:

@@ -23,6 +23,7 @@ from ._base import (
     decoded,
     m,
 )
+from ._breakers import Breaker, breakers_on
 from ._filters import MessageFilter
 from ._pause import Pause, PauseSpan, paused_on, spans_over
 
@@ -51,6 +52,8 @@ class Stats:
     oldest_unfinished_age_s: dict[str, float] = field(default_factory=dict)
     # queues and handlers paused now, oldest first, each with the pending messages it holds back
     paused: list[Pause] = field(default_factory=list)
+    # destinations every relay skips (open) or sends one trial to (half-open), oldest first
+    breakers: list[Breaker] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +67,7 @@ class Stats:
             "dead": self.dead,
             "dead_requeued": self.dead_requeued,
             "paused": [p.as_dict() for p in self.paused],
+            "breakers": [b.as_dict() for b in self.breakers],
         }
 
 
@@ -120,6 +124,7 @@ def stats(engine: Engine, *, counts: bool = True) -> Stats:
             ).all()
         )
         paused = paused_on(conn)
+        open_breakers = breakers_on(conn)
     failed = sum(outcomes.get(o, 0) for o in ("retry", "failed", "timeout", "dead", "lease_expired"))
     return Stats(
         by_status=by_status,
@@ -132,6 +137,7 @@ def stats(engine: Engine, *, counts: bool = True) -> Stats:
         dead_requeued=dead_requeued,
         oldest_unfinished_age_s=unfinished,
         paused=paused,
+        breakers=open_breakers,
     )
 
 

@@ -1,0 +1,394 @@
+"""The circuit breakers every relay shares, as one relay sees them: ``outbox_breaker``, read once a second.
+
+A handler's breaker decides in memory, on every delivery, without a round trip:
+that is what keeps an open breaker cheap. A :class:`BreakerBoard` is how those
+decisions reach the other relays and theirs reach this one. A thread of its own
+reads the table every ``interval`` seconds (a handful of rows: only open and
+half-open breakers have one) and hands the copy to the breakers listening
+(:meth:`BreakerBoard.listen`), which follow it: an opening elsewhere opens
+theirs until the shared reopen time, a row gone (a trial succeeded elsewhere,
+an operator reset it, ``retry-now`` cleared it) closes theirs. The same thread
+writes what this relay decides, as soon as it decides it: an opening, a failed
+trial's reopening, a successful trial's closing. On PostgreSQL those writes go
+through ``outbox_breaker_open`` and ``outbox_breaker_close`` (migration
+``outbox_0019``), which write the log rows; on SQLite through plain SQL here.
+
+Nothing here can stop a delivery: no statement runs on the event loop or in a
+handler's call, only this thread waits for the database. When it cannot read
+or write (the database is away, the table not migrated yet, the role not
+granted), each relay's breakers are its own, as before, until a read succeeds
+again; that is logged once per streak of failures (actions ``breaker_error``
+and ``breaker_ok``). A write that failed is tried again after the next read
+that succeeds, unless a newer decision about the destination came meanwhile.
+
+Times in the copy are this host's monotonic clock: PostgreSQL answers how many
+seconds are left until each reopen time by its own clock, so relay hosts whose
+clocks disagree still reopen together.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import func, insert, select, text, update
+from sqlalchemy.engine import Connection, Engine
+
+from ._first_line import first_line
+from ._tables import outbox_breaker, outbox_breaker_log
+
+__all__ = ["MAX_COOLDOWN", "READ_INTERVAL", "BreakerBoard", "BreakerListener", "SharedBreaker"]
+
+#: Seconds between two reads of the table: how soon a relay follows another's opening, or a reset.
+READ_INTERVAL = 1.0
+#: The longest cool-down the table records (migration outbox_0019): a longer one is written as this.
+MAX_COOLDOWN = 2_592_000.0
+#: How long a closing relay waits for the decisions it has not written yet.
+FLUSH_TIMEOUT = 2.0
+
+log = logging.getLogger("outbox.breakers")
+b = outbox_breaker
+blog = outbox_breaker_log
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBreaker:
+    """One row of ``outbox_breaker`` as last read: a destination whose breaker is open or half-open."""
+
+    destination: str
+    handler: str  # the route whose deliveries opened it
+    opened_by: str  # that relay's id
+    reopen_at: float  # this host's time.monotonic() when it turns half-open
+    version: datetime  # updated_at: a reopening (or a new opening) changes it
+
+
+class BreakerListener(Protocol):
+    def follow(self, board: BreakerBoard, shared: Mapping[str, SharedBreaker]) -> None:
+        """A fresh copy of the table; called on the board's thread, never with the board's lock held."""
+
+
+@dataclass(slots=True)
+class _Write:
+    opened: bool  # True: an opening (or a failed trial's reopening); False: a closing
+    route: str = ""
+    failures: int = 0
+    cooldown: float = 0.0
+
+
+class BreakerBoard:
+    """One relay's view of the shared breakers; ``start()`` reads once, then a thread keeps it current."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        relay_id: str,
+        *,
+        interval: float = READ_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.relay_id = relay_id
+        self.interval = interval
+        self._clock = clock
+        self._server_clock = engine.dialect.name == "postgresql"
+        self._lock = threading.Condition()
+        self._queued: dict[str, _Write] = {}  # latest decision per destination, not written yet
+        self._writing: set[str] = set()  # taken off the queue, being written now
+        self._retry: dict[str, _Write] = {}  # writes that failed: queued again after the next good read
+        self._recorded: set[str] = set()  # openings written since the last read (see wrote_opening)
+        self._waiters: list[Future[bool]] = []  # callers of read_after waiting for the next read
+        self._listeners: list[BreakerListener] = []
+        self._shared: dict[str, SharedBreaker] | None = None  # None: the last read failed (or none yet)
+        self._failing = False  # logged once per streak: until reads and writes both work again
+        self._last_ok: dict[str, bool | None] = {"read": None, "write": None}
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"<BreakerBoard relay={self.relay_id} every {self.interval:g}s>"
+
+    # -- read by the breakers (any thread) --------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def get(self, destination: str) -> SharedBreaker | None:
+        """The destination's shared breaker as last read; None when it has none, or the read failed."""
+        shared = self._shared  # replaced whole by each read: one reference, no lock needed
+        return None if shared is None else shared.get(destination)
+
+    def pending(self, destination: str) -> bool:
+        """Whether a decision about ``destination`` is not in the table yet: a read may predate it."""
+        with self._lock:
+            return destination in self._queued or destination in self._writing or destination in self._retry
+
+    def wrote_opening(self, destination: str) -> bool:
+        """Whether this relay wrote the destination's opening since the read before the current one.
+
+        A row this relay wrote that the current read finds gone was closed by
+        someone else (a reset, say) before this relay saw the row itself.
+        """
+        with self._lock:
+            return destination in self._recorded
+
+    @property
+    def readable(self) -> bool:
+        """Whether the last read succeeded: while not, nothing is worth waiting for."""
+        return self._shared is not None and not self._closed
+
+    def read_after(self) -> Future[bool]:
+        """A future done when a read that starts after this call has been followed (True) or failed.
+
+        A breaker about to turn a delivery away asks for one: an operator's
+        reset or a retry-now a moment ago must not be missed by a copy that
+        is up to ``interval`` seconds old. Callers meanwhile share one read.
+        """
+        future: Future[bool] = Future()
+        with self._lock:
+            if self._closed:
+                future.set_result(False)
+                return future
+            self._waiters.append(future)
+            self._lock.notify()
+        return future
+
+    def listen(self, listener: BreakerListener) -> None:
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners.append(listener)
+
+    # -- decisions to write (any thread, never waits for the database) ----------------------
+
+    def opened(self, destination: str, route: str, failures: int, cooldown: float) -> None:
+        """This relay opened (or, after a failed trial, reopened) the destination's breaker."""
+        self._queue(destination, _Write(True, route, max(1, failures), min(cooldown, MAX_COOLDOWN)))
+
+    def recovered(self, destination: str) -> None:
+        """A delivery to the destination succeeded: its breaker closes for every relay."""
+        self._queue(destination, _Write(False))
+
+    def _queue(self, destination: str, write: _Write) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._queued.pop(destination, None)  # the latest decision, in the order they came
+            self._retry.pop(destination, None)
+            self._queued[destination] = write
+            self._recorded.discard(destination)
+            self._lock.notify()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Read once (blocking: call it from a thread), then keep reading and writing on a thread."""
+        self._read()
+        self._thread = threading.Thread(target=self._run, name="outbox-breakers", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = FLUSH_TIMEOUT) -> None:
+        """Write what is queued (for at most ``timeout`` seconds), then stop reading."""
+        with self._lock:
+            self._closed = True
+            waiters, self._waiters = self._waiters, []
+            self._lock.notify()
+        _answer(waiters, False)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        due = self._clock() + self.interval
+        while True:
+            with self._lock:
+                while not (self._queued or self._waiters or self._closed) and self._clock() < due:
+                    self._lock.wait(max(0.0, due - self._clock()))
+                writes, self._queued = self._queued, {}
+                self._writing = set(writes)
+                closing = self._closed
+            for destination, write in writes.items():
+                self._write(destination, write)
+            with self._lock:
+                self._writing = set()
+                # Those waiting now get a read that starts after they asked; later ones, the next.
+                waiters, self._waiters = self._waiters, []
+            if closing:
+                _answer(waiters, False)
+                return
+            if waiters or self._clock() >= due:
+                read = self._read()
+                _answer(waiters, read)
+                due = self._clock() + self.interval
+                if read:
+                    self._requeue()
+
+    def _requeue(self) -> None:
+        """The table answers again: what could not be written is written now, unless overtaken."""
+        with self._lock:
+            for destination, write in self._retry.items():
+                self._queued.setdefault(destination, write)
+            self._retry = {}
+
+    # -- the statements ----------------------------------------------------------------------
+
+    def _read(self) -> bool:
+        try:
+            read_at = self._clock()
+            with self.engine.connect() as conn:
+                rows = conn.execute(self._select()).all()
+            now = datetime.now(UTC)
+            shared = {
+                row.destination: SharedBreaker(
+                    row.destination,
+                    row.handler,
+                    row.opened_by,
+                    read_at + self._left(row.left, now),
+                    row.updated_at,
+                )
+                for row in rows
+            }
+        except Exception as exc:  # the database, a driver, a bug: never the thread's end
+            self._shared = None
+            self._failed("read", exc)
+            return False
+        self._shared = shared
+        self._ok("read")
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener.follow(self, shared)
+            except Exception:
+                log.exception(
+                    "a circuit breaker could not follow the shared state",
+                    extra={"action": "breaker_error", "relay_id": self.relay_id},
+                )
+        with self._lock:
+            # Followed: a row read is known by its version now, and a row gone was closed above.
+            self._recorded.clear()
+        return True
+
+    def _select(self) -> Any:
+        if self._server_clock:  # the seconds left by the server's clock, not this host's
+            left: Any = func.extract("epoch", b.c.reopen_at - func.now())
+        else:
+            left = b.c.reopen_at
+        return select(b.c.destination, b.c.handler, b.c.opened_by, b.c.updated_at, left.label("left"))
+
+    @staticmethod
+    def _left(value: Any, now: datetime) -> float:
+        seconds = (value - now).total_seconds() if isinstance(value, datetime) else float(value)
+        return seconds if math.isfinite(seconds) else 0.0
+
+    def _write(self, destination: str, write: _Write) -> None:
+        try:
+            with self.engine.begin() as conn:
+                if self._server_clock:
+                    self._write_postgresql(conn, destination, write)
+                else:
+                    self._write_sqlite(conn, destination, write)
+        except Exception as exc:
+            self._failed("write", exc)
+            with self._lock:
+                if destination not in self._queued:  # not overtaken by a newer decision meanwhile
+                    self._retry[destination] = write
+            return
+        if write.opened:
+            with self._lock:
+                if destination not in self._queued:  # a newer decision is on its way
+                    self._recorded.add(destination)
+        self._ok("write")
+
+    def _write_postgresql(self, conn: Connection, destination: str, write: _Write) -> None:
+        if write.opened:
+            conn.execute(
+                text("SELECT outbox_breaker_open(:me, :dest, :route, :failures, :cooldown)"),
+                {
+                    "me": self.relay_id,
+                    "dest": destination,
+                    "route": write.route,
+                    "failures": write.failures,
+                    "cooldown": write.cooldown,
+                },
+            )
+        else:
+            closing = {"me": self.relay_id, "dest": destination}
+            conn.execute(text("SELECT outbox_breaker_close(:me, :dest)"), closing)
+
+    def _write_sqlite(self, conn: Connection, destination: str, write: _Write) -> None:
+        """What the PostgreSQL functions do, for the one relay a SQLite database has."""
+        now = datetime.now(UTC)
+        found = conn.execute(select(b.c.handler, b.c.reopen_at).where(b.c.destination == destination)).first()
+        if not write.opened:
+            if found is not None:
+                conn.execute(b.delete().where(b.c.destination == destination))
+                self._log_sqlite(conn, "closed", destination, found.handler, now)
+            return
+        reopen_at = now + timedelta(seconds=write.cooldown)
+        if found is None:
+            conn.execute(
+                insert(b).values(
+                    destination=destination,
+                    handler=write.route,
+                    failures=write.failures,
+                    opened_at=now,
+                    reopen_at=reopen_at,
+                    opened_by=self.relay_id,
+                    updated_at=now,
+                )
+            )
+            self._log_sqlite(conn, "opened", destination, write.route, now, failures=write.failures)
+        elif found.reopen_at <= now:  # half-open: a failed trial reopens the same outage
+            conn.execute(
+                update(b)
+                .where(b.c.destination == destination)
+                .values(failures=b.c.failures + 1, reopen_at=reopen_at, updated_at=now)
+            )
+
+    def _log_sqlite(
+        self, conn: Connection, event: str, destination: str, route: str, now: datetime, **extra: Any
+    ) -> None:
+        conn.execute(
+            insert(blog).values(
+                event=event, destination=destination, handler=route, at=now, relay_id=self.relay_id, **extra
+            )
+        )
+
+    # -- one line per streak of failures -------------------------------------------------------
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        with self._lock:
+            self._last_ok[what] = False
+            if self._failing:
+                return
+            self._failing = True
+        log.warning(
+            "cannot %s the shared circuit breakers in outbox_breaker (%s); this relay's breakers decide"
+            " on their own until it can",
+            what,
+            first_line(exc),
+            extra={"action": "breaker_error", "relay_id": self.relay_id},
+        )
+
+    def _ok(self, what: str) -> None:
+        with self._lock:
+            self._last_ok[what] = True
+            if not self._failing or False in self._last_ok.values():
+                return
+            self._failing = False
+        log.info(
+            "the shared circuit breakers in outbox_breaker are read and written again",
+            extra={"action": "breaker_ok", "relay_id": self.relay_id},
+        )
+
+
+def _answer(waiters: list[Future[bool]], result: bool) -> None:
+    for future in waiters:
+        if future.set_running_or_notify_cancel():  # False: its caller gave up waiting
+            future.set_result(result)
