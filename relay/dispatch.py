@@ -74,10 +74,14 @@ def to_message(row: Any) -> Message:
 def expired(row: Any) -> bool:
     """Whether a claimed row was past its ``expires_at`` when it was claimed, by the claim's clock.
 
-    ``claimed_at`` is the claim's "now": the database's on PostgreSQL, whose
-    ``outbox_complete`` checks the same by its own later clock, so the two
-    never disagree; this host's on SQLite, as every other "now" there.
+    On PostgreSQL the claim says so itself (``expired``, by the database's
+    ``now()``, which ``outbox_complete`` checks again by its own later clock, so
+    the two never disagree); on SQLite ``claimed_at`` is the claim's "now", this
+    host's, as every other "now" there.
     """
+    flag = getattr(row, "expired", None)  # PostgreSQL: judged by the database in the claim itself
+    if flag is not None:
+        return bool(flag)
     return row.expires_at is not None and row.expires_at <= row.claimed_at
 
 

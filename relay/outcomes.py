@@ -189,8 +189,9 @@ def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]
             "error_type": r.error_type,
             "delay": float(r.retry_in),
             "refund": int(r.refund),
-            "started": r.started_at.isoformat(),
-            "finished": r.finished_at.isoformat(),
+            # Seconds since the epoch: a float costs the encoder far less than an ISO string.
+            "started": r.started_at.timestamp(),
+            "finished": r.finished_at.timestamp(),
             "duration_ms": int((r.finished_at - r.started_at).total_seconds() * 1000),
             "detail": r.detail,
         }

@@ -139,7 +139,7 @@ BEGIN
     WITH outcome AS (
         SELECT * FROM jsonb_to_recordset(batch)
             AS o(id bigint, attempt int, status text, outcome text, error text, error_type text,
-                 delay float8, refund int, started timestamptz, finished timestamptz, duration_ms int,
+                 delay float8, refund int, started float8, finished float8, duration_ms int,
                  detail jsonb)
     ), claimed AS (
         -- The rows as the claim left them (this statement's snapshot): updated_at is the claim's time.
@@ -177,12 +177,12 @@ BEGIN
     -- not after this write.
     INSERT INTO {s}.outbox_attempt (message_id, attempt, outcome, started_at, finished_at, duration_ms,
                                     relay_id, error_type, error, detail)
-    SELECT r.id, r.attempt, r.outcome, t.started, greatest(t.started, least(r.finished, now())),
+    SELECT r.id, r.attempt, r.outcome, t.started, greatest(t.started, least(to_timestamp(r.finished), now())),
            greatest(r.duration_ms, 0), me, r.error_type, r.error,
            CASE WHEN jsonb_typeof(r.detail) = 'object' THEN r.detail ELSE '{{}}'::jsonb END
                || jsonb_build_object('db_user', session_user)
       FROM recorded r
-     CROSS JOIN LATERAL (SELECT greatest(r.claim_time, least(r.started, now())) AS started) t
+     CROSS JOIN LATERAL (SELECT greatest(r.claim_time, least(to_timestamp(r.started), now())) AS started) t
         ON CONFLICT (message_id, attempt, outcome, started_at) DO NOTHING;
 END
 $$
