@@ -389,10 +389,7 @@ class WebhookHandler:
             ) from exc
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             if _tls_refused(exc):  # a certificate or TLS set-up problem is configuration, not an outage
-                raise RetryLater(
-                    f"connection to {target.authority} failed: {type(exc).__name__}: {exc}",
-                    detail={"reason": "connection", "host": target.authority},
-                ) from exc
+                raise _connection_failed(target, exc) from exc
             # Refused, reset or unanswered before a byte of the request went out: the receiver is
             # down or unreachable, which says nothing about the message (the breaker counts it).
             raise RetryLater(
@@ -407,10 +404,15 @@ class WebhookHandler:
                 detail={"reason": "timeout", "host": target.authority},
             ) from exc
         except httpx.TransportError as exc:
-            raise RetryLater(
-                f"connection to {target.authority} failed: {type(exc).__name__}: {exc}",
-                detail={"reason": "connection", "host": target.authority},
-            ) from exc
+            raise _connection_failed(target, exc) from exc
+
+
+def _connection_failed(target: Target, exc: Exception) -> RetryLater:
+    """A counted retry: the connection failed in a way that may say something about this request."""
+    return RetryLater(
+        f"connection to {target.authority} failed: {type(exc).__name__}: {exc}",
+        detail={"reason": "connection", "host": target.authority},
+    )
 
 
 def _tls_refused(exc: BaseException) -> bool:

@@ -93,10 +93,11 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
         for r in results
         if r.status == "pending"
     ]
-    dead = [{"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "dead"]
-    discarded = [
-        {"mid": r.message_id, "att": r.attempt, "err": r.error} for r in results if r.status == "discarded"
-    ]
+    # Ended without delivery: dead, or discarded (expired, never handed to the handler).
+    ended: dict[str, list[dict[str, Any]]] = {"dead": [], "discarded": []}
+    for r in results:
+        if r.status in ended:
+            ended[r.status].append({"mid": r.message_id, "att": r.attempt, "err": r.error})
     with engine.begin() as conn:
         if delivered:
             conn.execute(
@@ -126,32 +127,20 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
                 ),
                 retry,
             )
-        if dead:
-            conn.execute(
-                update(m)
-                .where(ours)
-                .values(
-                    status="dead",
-                    last_error=bindparam("err"),
-                    locked_by=None,
-                    locked_until=None,
-                    updated_at=now,
-                ),
-                dead,
-            )
-        if discarded:  # expired: never handed to the handler
-            conn.execute(
-                update(m)
-                .where(ours)
-                .values(
-                    status="discarded",
-                    last_error=bindparam("err"),
-                    locked_by=None,
-                    locked_until=None,
-                    updated_at=now,
-                ),
-                discarded,
-            )
+        for status, rows in ended.items():
+            if rows:
+                conn.execute(
+                    update(m)
+                    .where(ours)
+                    .values(
+                        status=status,
+                        last_error=bindparam("err"),
+                        locked_by=None,
+                        locked_until=None,
+                        updated_at=now,
+                    ),
+                    rows,
+                )
         conn.execute(
             history_insert(engine),
             [
