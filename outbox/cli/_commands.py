@@ -135,7 +135,7 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     for h in found.attempts:
         while events and events[0][0] < h["started_at"]:
             rows.append(events.pop(0)[1])
-        reported, login = _login_apart(h["detail"])
+        reported, login = ops.login_apart(h["detail"])
         detail = json.dumps(reported, default=str, ensure_ascii=False) if reported else ""
         if len(detail) > _DETAIL_WIDTH:  # never cut: the whole document goes below the table
             details.append((f"attempt {h['attempt']} ({h['outcome']})", json.dumps(reported, indent=2)))
@@ -171,18 +171,6 @@ def _outcome_label(outcome: str, uncounted: bool) -> str:
 
 #: The widest detail the history table shows inline (the table's cell width).
 _DETAIL_WIDTH = 60
-
-
-def _login_apart(detail: Any) -> tuple[Any, str | None]:
-    """A history row's detail without ``db_user``, and that login: the table shows it beside the label.
-
-    PostgreSQL stamps every row with the login that wrote it (``db_user``); it
-    belongs with the relay id or actor it vouches for, not among the handler's facts.
-    """
-    if not isinstance(detail, dict) or not isinstance(detail.get("db_user"), str):
-        return detail, None
-    rest = {k: v for k, v in detail.items() if k != "db_user"}
-    return rest, detail["db_user"]
 
 
 def _pause_events(spans: Sequence[ops.PauseSpan]) -> list[tuple[datetime, list[Any]]]:

@@ -10,7 +10,7 @@ new message that points back at it), so the audit trail stays complete.
 from __future__ import annotations
 
 from ._actions import discard, requeue, retry_now
-from ._base import NotFound, OpsError, parse_duration
+from ._base import InvalidRequest, NotFound, OpsError, parse_duration
 from ._breakers import Breaker, BreakerNotOpen, breakers, reset_breaker
 from ._dashboard import (
     ACTIVITY_RETRIED,
@@ -30,7 +30,7 @@ from ._keys import ROOT_KEY_LIMIT, requeued_key, resent_key, root_key
 from ._live import change_marker
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
 from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
-from ._read import MessageHistory, Stats, list_messages, show, stats
+from ._read import MessageHistory, Stats, list_messages, login_apart, show, stats
 from ._relays import REGISTRY_PERIOD, HandlerSeen, RelaySeen, relays
 from ._reports import (
     MAX_REPORT_RUNS,
@@ -66,6 +66,7 @@ __all__ = [
     "MessageFilter",
     "MessageHistory",
     "MinuteActivity",
+    "InvalidRequest",
     "NotFound",
     "NotPaused",
     "OpsError",
@@ -92,6 +93,7 @@ __all__ = [
     "follow_history",
     "lineage",
     "list_messages",
+    "login_apart",
     "parse_duration",
     "parse_where",
     "pause",

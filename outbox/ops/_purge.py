@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from .._tables import outbox_retention_run, status_is_one_of
 from ._base import (
     ACTOR_LIMIT,
+    InvalidRequest,
     OpsError,
     _before,
     _has_copy,
@@ -82,11 +83,11 @@ def purge(
     emitted afterwards is stored (and delivered) again.
     """
     if not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_PURGE_BATCH:
-        raise OpsError(f"batch_size must be 1 to {MAX_PURGE_BATCH}, got {batch_size!r}")
+        raise InvalidRequest(f"batch_size must be 1 to {MAX_PURGE_BATCH}, got {batch_size!r}")
     if not isinstance(actor, str) or not actor.strip():
-        raise OpsError("an actor is required: it is what outbox_retention_run will say")
+        raise InvalidRequest("an actor is required: it is what outbox_retention_run will say")
     if len(actor) > ACTOR_LIMIT:
-        raise OpsError(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
+        raise InvalidRequest(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
     if delivered_older_than < timedelta(0):
         raise OpsError("delivered_older_than cannot be negative")
     if history_older_than is not None and history_older_than < MIN_HISTORY_AGE:
