@@ -23,7 +23,7 @@ from .pending import SessionEvents, events_of, innermost
 from .rows import aggregate_identity, write_events
 from .settings import EmitSettings
 
-__all__ = ["install", "outbox_for", "uninstall"]
+__all__ = ["install", "outbox_for", "uninstall", "write_owed"]
 
 _served: dict[type[Session], EmitSettings] = {}
 _listeners: dict[type[Session], list[tuple[str, Callable[..., Any]]]] = {}
@@ -134,6 +134,20 @@ def write_late(session: Session) -> None:
             return
     else:
         session.flush()
+    _flush_owed(session)
+
+
+def write_owed(session: Session) -> None:
+    """Write now what the session's commit would write: its aggregates flushed, its events stored.
+
+    For a test that reads its own transaction and never commits. Whatever
+    happens next (a commit, a savepoint rollback) treats the rows as it treats
+    rows a flush wrote.
+    """
+    state = events_of(session, create=False)
+    if state is None or not state.unwritten():
+        return
+    session.flush()
     _flush_owed(session)
 
 
