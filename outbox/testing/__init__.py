@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._outbox import Outbox
 from .._urls import engine_of
+from ._capture import Capture, Emitted, capture
 from ._rows import Recording, messages, recording
 
 if TYPE_CHECKING:
@@ -42,8 +43,11 @@ if TYPE_CHECKING:
     from ._binds import Bind
 
 __all__ = [
+    "Capture",
+    "Emitted",
     "Recording",
     "adrain",
+    "capture",
     "drain",
     "messages",
     "recording",
