@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .._outbox import Outbox
 from .._urls import engine_of
 from ._capture import Capture, Emitted, capture
+from ._reset import reset
 from ._rows import Recording, messages, recording
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ __all__ = [
     "drain",
     "messages",
     "recording",
+    "reset",
 ]
 
 
