@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import String
+from sqlalchemy import String, create_engine
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -56,23 +56,26 @@ def place(session: Session, ref: str, *, total: int = 10) -> Order:
 
 
 def committed(engine: Engine) -> list[Any]:
-    """What another connection sees (an engine of its own: this one's connections all set WAL)."""
-    return messages(engine.url.render_as_string(hide_password=False))
+    """What another connection sees."""
+    return messages(engine)
 
 
 @pytest.fixture
 def engine(engine: Engine) -> Engine:
     Base.metadata.create_all(engine)
-    return enable_sqlite_savepoints(engine)  # savepoints on SQLite, as the fixture below needs
+    return engine
 
 
 @pytest.fixture
 def connection(engine: Engine) -> Iterator[Connection]:
     """The test's connection: one transaction, rolled back whatever the test did."""
-    with engine.connect() as conn:
+    # Savepoints on SQLite, as the sessions below need, on an engine of the fixture's own.
+    rollback_engine = enable_sqlite_savepoints(create_engine(engine.url))
+    with rollback_engine.connect() as conn:
         outer = conn.begin()
         yield conn
         outer.rollback()
+    rollback_engine.dispose()
 
 
 @pytest.fixture
