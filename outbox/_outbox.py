@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._routes import Route, Transform, check_name, check_priority, handler_name
+from ._topics import is_pattern
 from ._write.install import install as install_listeners
 from ._write.install import uninstall as uninstall_listeners
 from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT
@@ -24,6 +25,8 @@ DEFAULT_MAX_ATTEMPTS = 10
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_QUEUE = "default"
 DEFAULT_PRIORITY = 0
+#: Event types whose routes an Outbox with patterns remembers; past it, it starts over.
+_RESOLVED_LIMIT = 4096
 
 
 class Outbox:
@@ -96,6 +99,9 @@ class Outbox:
         self.tracer_provider = tracer_provider
         self._routes: dict[str, Route] = {}
         self._by_event: dict[str, tuple[Route, ...]] = {}
+        #: The routes of each event type emitted so far (see routes_for); rebuilt when a route is added.
+        self._resolved: dict[str, tuple[Route, ...]] = {}
+        self._has_patterns = False
 
     def __repr__(self) -> str:
         return f"<Outbox routes={len(self._routes)}>"
@@ -148,6 +154,8 @@ class Outbox:
             )
         self._routes[route.name] = route
         self._by_event[event_type] = (*self._by_event.get(event_type, ()), route)
+        self._has_patterns = self._has_patterns or route.pattern
+        self._resolved = {}  # a new dict, not clear(): an emit in another thread may be reading the old
         return route
 
     def handler(
@@ -183,7 +191,32 @@ class Outbox:
         return register
 
     def routes_for(self, event_type: str) -> tuple[Route, ...]:
-        return self._by_event.get(event_type, ())
+        """The routes an event of ``event_type`` is stored for, in the order they were registered.
+
+        Exact routes and every pattern that matches, each route once. The answer
+        is kept per event type, so an emit pays for the matching only the first
+        time it meets an event type. A wildcard event type (``order.*``) is a
+        pattern, not an event: it has no routes here.
+        """
+        found = self._resolved.get(event_type)
+        if found is None:
+            found = self._resolve(event_type)
+        return found
+
+    def _resolve(self, event_type: str) -> tuple[Route, ...]:
+        if not self._has_patterns:
+            found = self._by_event.get(event_type, ())
+        elif not isinstance(event_type, str) or is_pattern(event_type):
+            return ()
+        else:
+            found = tuple(route for route in self._routes.values() if route.matches(event_type))
+        if not found:  # an unrouted emit raises; its type is not worth a place
+            return found
+        resolved = self._resolved
+        if len(resolved) >= _RESOLVED_LIMIT:  # event types made up at run time must not grow it forever
+            resolved = self._resolved = {}
+        resolved[event_type] = found
+        return found
 
     def get_route(self, name: str) -> Route:
         try:
@@ -197,6 +230,7 @@ class Outbox:
 
     @property
     def event_types(self) -> tuple[str, ...]:
+        """The event types and patterns routes subscribe to, in the order first registered."""
         return tuple(self._by_event)
 
     def __iter__(self) -> Iterator[Route]:

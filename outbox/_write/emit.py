@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from .. import signals
 from .._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
 from .._routes import Route, check_name, check_priority
+from .._topics import is_pattern
 from .._tracing import emit_headers
 from .install import outbox_for, write_late
 from .payload import check_headers, route_document, serialise_payload, text_problem
@@ -181,6 +182,11 @@ def emit(
         raise InvalidEmitOption(f"event_type must be a non-empty string, got {event_type!r}")
     routes = outbox.routes_for(event_type)
     if not routes:
+        if is_pattern(event_type):
+            raise InvalidEmitOption(
+                f"event_type {event_type!r} is a pattern ('*' and '#' words are wildcards): "
+                "routes subscribe to patterns, an emit names one event type"
+            )
         raise UnroutedEvent(event_type, outbox.event_types)
     key = _check_key("key", key)
     group_key = _check_key("group_key", group_key)
