@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
-from ._routes import Route, Transform, check_name, check_priority, handler_name
+from ._routes import Route, Transform, check_name, check_plain_callable, check_priority, handler_name
 from ._topics import is_pattern
 from ._write.install import install as install_listeners
 from ._write.install import uninstall as uninstall_listeners
-from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT
+from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT, JsonDefault
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -36,6 +36,10 @@ class Outbox:
     emit time. The relay process imports the same object (``--app module:ob``) and
     claims only the routes it holds.
 
+    ``json_default`` converts payload values JSON has no type for, as
+    ``json.dumps(default=...)`` does: ``outbox.json_default`` handles Decimal,
+    datetime, date, UUID, Enum, dataclasses and Pydantic models.
+
     ``trace_context``, ``trace_baggage``, ``trace_parent`` and
     ``tracer_provider`` shape the OpenTelemetry traces from ``emit()`` to each
     delivery (docs/tracing.md); without the ``[otel]`` extra they do nothing.
@@ -52,6 +56,7 @@ class Outbox:
         default_priority: int = DEFAULT_PRIORITY,
         default_backoff: Backoff | None = None,
         pipeline_writes: bool = True,
+        json_default: JsonDefault | None = None,
         trace_context: bool = True,
         trace_baggage: bool = False,
         trace_parent: Literal["link", "child"] = "link",
@@ -83,6 +88,10 @@ class Outbox:
         #: On psycopg, send the commit's INSERT with the COMMIT (see ``outbox._write.pipeline``).
         #: False keeps it an ordinary statement that SQLAlchemy's events see.
         self.pipeline_writes = pipeline_writes
+        if json_default is not None:
+            check_plain_callable(json_default, "json_default")
+        #: Converts what a payload holds that JSON has no type for (see ``outbox.json_default``).
+        self.json_default = json_default
         # Tracing (docs/tracing.md); every one of these is inert without the [otel] extra.
         for flag, value in (("trace_context", trace_context), ("trace_baggage", trace_baggage)):
             if not isinstance(value, bool):

@@ -14,7 +14,7 @@ from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._topics import is_pattern, pattern_problem, segments_match
 
-__all__ = ["Route", "Transform", "Validator", "check_name", "handler_name"]
+__all__ = ["Route", "Transform", "Validator", "check_name", "check_plain_callable", "handler_name"]
 
 #: ``transform(event_payload) -> route_payload``: shapes one route's payload at emit time.
 Transform = Callable[[dict[str, Any]], Any]
@@ -120,7 +120,7 @@ class Route:
                 f"route {self.name!r}: backoff must be an outbox.Backoff, got {self.backoff!r}"
             )
         if self.transform is not None:
-            _check_plain_callable(self.transform, f"route {self.name!r}: transform")
+            check_plain_callable(self.transform, f"route {self.name!r}: transform")
         if self.expires_after is not None and (
             not isinstance(self.expires_after, timedelta)
             or not timedelta(0) < self.expires_after <= MAX_EXPIRES_AFTER
@@ -131,7 +131,7 @@ class Route:
             )
         validator = getattr(self.handler, "outbox_validate", None)
         if validator is not None:
-            _check_plain_callable(validator, f"route {self.name!r}: the handler's outbox_validate")
+            check_plain_callable(validator, f"route {self.name!r}: the handler's outbox_validate")
         object.__setattr__(self, "validator", validator)
 
     def matches(self, event_type: str) -> bool:
@@ -141,7 +141,7 @@ class Route:
         return segments_match(self._words, tuple(event_type.split(".")))
 
 
-def _check_plain_callable(fn: object, what: str) -> None:
+def check_plain_callable(fn: object, what: str) -> None:
     """Emit-time hooks run inside emit(), a plain function: they cannot be awaited there."""
     if not callable(fn):
         raise ConfigurationError(f"{what} must be callable, got {fn!r}")

@@ -198,7 +198,9 @@ def emit(
     header_map = check_headers(headers)
     if outbox.trace_context:  # the emitting trace, stored with the event (a no-op without [otel])
         header_map = emit_headers(header_map, baggage=outbox.trace_baggage)
-    document = serialise_payload(payload, outbox.payload_limit, outbox.payload_depth_limit)
+    document = serialise_payload(
+        payload, outbox.payload_limit, outbox.payload_depth_limit, outbox.json_default
+    )
 
     event_id = uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()
     aggregate_type = None if _aggregate is None else _check_aggregate(_aggregate)
@@ -213,7 +215,13 @@ def emit(
             "payload": document
             if route.validator is None and route.transform is None
             else route_document(
-                route, event_type, payload, document, outbox.payload_limit, outbox.payload_depth_limit
+                route,
+                event_type,
+                payload,
+                document,
+                outbox.payload_limit,
+                outbox.payload_depth_limit,
+                outbox.json_default,
             ),
             "headers": header_map,
             "aggregate_type": aggregate_type,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .._routes import Route
+from .payload import JsonDefault
 
 __all__ = ["EmitSettings"]
 
@@ -21,6 +22,7 @@ class EmitSettings(Protocol):
     payload_depth_limit: int
     #: Send the commit's INSERT with the COMMIT on psycopg (``pipeline``).
     pipeline_writes: bool
+    json_default: JsonDefault | None
     trace_context: bool
     trace_baggage: bool
 
