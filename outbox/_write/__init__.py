@@ -3,7 +3,8 @@
 Read it in the order an event travels:
 
 - ``emit`` (and ``mixin``, ``OutboxMixin.emit``): checks the event at the edge
-  and buffers one row per route; ``payload`` holds the payload and header checks;
+  and buffers one row per route; ``payload`` holds the payload and header checks,
+  ``keys`` the key placeholders and the refusal of an id not assigned yet;
 - ``pending``: the per-session buffer, tagged by transaction and savepoint;
 - ``install``: the session listeners that write the buffer at flush and commit;
 - ``rows``: buffered events turned into one INSERT;

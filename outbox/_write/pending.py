@@ -38,6 +38,8 @@ class PendingEvent:
     aggregate: Any = None
     tag: SessionTransaction | None = None
     written_in: SessionTransaction | None = None
+    #: A key or group key holds {aggregate_id} for an id assigned at the flush (``keys.KeyTemplate``).
+    waits_for_id: bool = False
 
 
 def _within(transaction: SessionTransaction | None, scope: SessionTransaction) -> bool:

@@ -18,6 +18,7 @@ from sqlalchemy.sql.dml import Insert
 
 from .._exceptions import ConfigurationError, EmitError, OutboxError
 from .._tables import outbox_message
+from .keys import KeyTemplate
 from .payload import text_problem
 from .pending import PendingEvent
 
@@ -101,9 +102,23 @@ def _rows(events: list[PendingEvent]) -> list[dict[str, Any]]:
                     f"event {event.event_id} was emitted by a {type(event.aggregate).__name__} "
                     "that was never flushed (was it expunged from the session?); its id is unknown"
                 )
+            if event.waits_for_id:
+                rows.extend(_filled(row, aggregate_id) for row in event.rows)
+                continue
         for row in event.rows:
             rows.append({**row, "aggregate_id": aggregate_id} if event.aggregate is not None else row)
     return rows
+
+
+def _filled(row: dict[str, Any], aggregate_id: str) -> dict[str, Any]:
+    """A row whose key or group key waited for the aggregate's id, with the id filled in."""
+    key, group = row["idempotency_key"], row["group_key"]
+    return {
+        **row,
+        "aggregate_id": aggregate_id,
+        "idempotency_key": key.render(aggregate_id) if isinstance(key, KeyTemplate) else key,
+        "group_key": group.render(aggregate_id) if isinstance(group, KeyTemplate) else group,
+    }
 
 
 _PSYCOPG_COLUMNS = (
