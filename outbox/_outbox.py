@@ -10,6 +10,7 @@ from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._routes import Route, Transform, check_name, check_plain_callable, check_priority, handler_name
 from ._topics import is_pattern
+from ._write.dedupe import DedupeCounter
 from ._write.install import install as install_listeners
 from ._write.install import uninstall as uninstall_listeners
 from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT, JsonDefault
@@ -106,6 +107,7 @@ class Outbox:
         self.trace_parent: Literal["link", "child"] = trace_parent
         #: Where the relay's spans go; None: the global provider, looked up when the relay starts.
         self.tracer_provider = tracer_provider
+        self._dedupe_counter = DedupeCounter()
         self._routes: dict[str, Route] = {}
         self._by_event: dict[str, tuple[Route, ...]] = {}
         #: The routes of each event type emitted so far (see routes_for); rebuilt when a route is added.
@@ -241,6 +243,16 @@ class Outbox:
     def event_types(self) -> tuple[str, ...]:
         """The event types and patterns routes subscribe to, in the order first registered."""
         return tuple(self._by_event)
+
+    @property
+    def deduplicated(self) -> dict[str, int]:
+        """Messages not stored because their route already held their key, per route, since start-up.
+
+        Counted once the emitting transaction commits, in this process (the
+        relay never sees them). Each is also announced by the
+        ``event_deduplicated`` signal and a DEBUG log line.
+        """
+        return self._dedupe_counter.snapshot()
 
     def __iter__(self) -> Iterator[Route]:
         return iter(self.routes)

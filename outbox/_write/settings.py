@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .._routes import Route
+from .dedupe import DedupeCounter
 from .payload import JsonDefault
 
 __all__ = ["EmitSettings"]
@@ -23,6 +24,8 @@ class EmitSettings(Protocol):
     #: Send the commit's INSERT with the COMMIT on psycopg (``pipeline``).
     pipeline_writes: bool
     json_default: JsonDefault | None
+    #: Duplicates dropped per route (``dedupe``), read through ``Outbox.deduplicated``.
+    _dedupe_counter: DedupeCounter
     trace_context: bool
     trace_baggage: bool
 
