@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import ForeignKey, String, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -285,3 +287,88 @@ def test_a_composite_key_checks_only_the_part_that_is_unset(engine, maker):
         line.emit("line.added", {"order_id": order.id, "note": None})
         line.number = 1
     assert len(stored(engine)) == 1
+
+
+# -- the property: aggregates never share a key they did not write ------------------------------------
+
+STEPS = st.lists(
+    st.one_of(
+        st.just(("new",)),
+        st.just(("flush",)),
+        st.just(("commit",)),
+        st.just(("rollback",)),
+        st.tuples(st.just("emit"), st.integers(0, 7), st.sampled_from(["placeholder", "written", "literal"])),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=STEPS)
+def test_two_aggregates_never_share_a_stored_key_unless_written_as_the_same_literal(engine, maker, steps):
+    """Emits before and after flushes, across commits and rollbacks, with keys written every way.
+
+    ``placeholder``: ``{aggregate_id}``; ``written``: the id put in by hand
+    (``f"...:{order.id}"``), refused while the id is unset; ``literal``: one
+    key shared on purpose. Each example has its own key prefix, so the
+    examples sharing the database never meet.
+    """
+    prefix = uuid.uuid4().hex[:8]
+    orders: list[Order] = []  # usable aggregates: pending in this transaction, or committed
+    accepted: list[tuple[Order, str, str]] = []  # (aggregate, style, key text as written)
+    this_transaction: list[tuple[Order, str, str]] = []
+    created_now: list[Order] = []
+    with maker() as s:
+        s.begin()
+        for step in [*steps, ("commit",)]:
+            if step[0] == "new":
+                order = Order()
+                s.add(order)
+                orders.append(order)
+                created_now.append(order)
+            elif step[0] == "flush":
+                s.flush()
+            elif step[0] == "commit":
+                s.commit()
+                accepted += this_transaction
+                this_transaction, created_now = [], []
+                s.begin()
+            elif step[0] == "rollback":
+                s.rollback()
+                orders = [o for o in orders if o not in created_now]
+                this_transaction, created_now = [], []
+                s.begin()
+            elif orders:
+                order = orders[step[1] % len(orders)]
+                style = step[2]
+                written = {
+                    "placeholder": f"{prefix}:placed:{{aggregate_id}}",
+                    "written": f"{prefix}:placed:{order.id}",
+                    "literal": f"{prefix}:daily",
+                }[style]
+                if style == "written" and order.id is None:
+                    with pytest.raises(InvalidEmitOption, match=r"write \{aggregate_id\}"):
+                        order.emit("order.placed", {}, key=written, group_key=written)
+                    continue
+                order.emit("order.placed", {}, key=written, group_key=written)
+                this_transaction.append((order, style, written))
+        # What each accepted emit's key is with every id known, read before the session ends.
+        by_key: dict[str, list[tuple[int, str]]] = {}
+        for order, style, written in accepted:
+            key = f"{prefix}:placed:{order.id}" if style == "placeholder" else written
+            by_key.setdefault(key, []).append((order.id, style))
+    with engine.connect() as conn:
+        stored = conn.execute(
+            select(m.c.idempotency_key, m.c.group_key, m.c.aggregate_id)
+            .where(m.c.handler == "receipt", m.c.idempotency_key.startswith(prefix))
+            .order_by(m.c.id)
+        ).all()
+    assert sorted(key for key, _, _ in stored) == sorted(by_key), "each key stored once, none lost"
+    for key, group_key, aggregate_id in stored:
+        assert "None" not in key and "None" not in group_key
+        emitters = by_key[key]
+        if len({order_id for order_id, _ in emitters}) > 1:
+            assert {style for _, style in emitters} == {"literal"}, f"{key} is shared by aggregates"
+        else:
+            assert aggregate_id == str(emitters[0][0])
+            assert group_key == key
