@@ -10,10 +10,10 @@ from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._routes import Route, Transform, check_name, check_plain_callable, check_priority, handler_name
 from ._topics import is_pattern
-from ._write.dedupe import DedupeCounter
 from ._write.install import install as install_listeners
 from ._write.install import uninstall as uninstall_listeners
 from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT, JsonDefault
+from ._write.settings import DedupeCounter
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider

@@ -25,9 +25,8 @@ on ``outbox_message`` gets ``existing_id=None``.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, tuple_
@@ -42,26 +41,14 @@ if TYPE_CHECKING:
 
     from .pending import PendingEvent
 
-__all__ = ["DedupeCounter", "announce", "dropped_indexes", "keyed"]
+__all__ = ["Settle", "announce", "dropped_indexes", "keyed"]
 
 log = logging.getLogger("outbox.write")
 m = outbox_message
 
-
-class DedupeCounter:
-    """Dropped duplicates per route since the process started; read by ``Outbox.deduplicated``."""
-
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def add(self, route: str) -> None:
-        with self._lock:
-            self._counts[route] += 1
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
+#: Takes an INSERT's answer about keyed rows: how many it stored, and (asked only if fewer than
+#: sent) their (handler, idempotency_key) pairs.
+Settle = Callable[[int, Callable[[], Iterable[tuple[Any, Any]]]], None]
 
 
 def keyed(rows: Sequence[dict[str, Any]]) -> bool:

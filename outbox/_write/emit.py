@@ -173,6 +173,12 @@ def emit(
     ``expires_at`` (an aware datetime): no relay hands the event to a handler
     from then on. Each route's message keeps the earlier of it and its
     route's ``expires_after`` from the time the row is stored.
+
+    ``key`` and ``group_key`` may hold ``{event_type}``, and from an
+    ``OutboxMixin`` object ``{aggregate_type}`` and ``{aggregate_id}`` (filled
+    when the row is written if the id is not assigned yet; see ``keys``). A
+    route that already holds the key stores nothing: announced after the
+    commit by ``signals.event_deduplicated`` (see ``dedupe``).
     """
     sync_session = _sync(session)
     outbox = outbox_for(sync_session)
@@ -208,6 +214,7 @@ def emit(
     aggregate_type, aggregate_id = (None, None) if _aggregate is None else _check_aggregate(_aggregate)
     stored_key: str | KeyTemplate | None = key
     stored_group: str | KeyTemplate | None = group_key
+    waits_for_id = False
     if key is not None or group_key is not None:
         fill = {
             "event_type": event_type,
@@ -217,6 +224,7 @@ def emit(
         }
         stored_key = fill_key("key", key, **fill)
         stored_group = fill_key("group_key", group_key, **fill)
+        waits_for_id = isinstance(stored_key, KeyTemplate) or isinstance(stored_group, KeyTemplate)
     if aggregate_type is not None and aggregate_id is None:
         check_payload_ids(document, _aggregate, aggregate_type)
     # A key names the event, so the same key gives the same id; one still waiting for the
@@ -273,7 +281,7 @@ def emit(
         rows=rows,
         aggregate=_aggregate,
         tag=innermost(sync_session),
-        waits_for_id=isinstance(stored_key, KeyTemplate) or isinstance(stored_group, KeyTemplate),
+        waits_for_id=waits_for_id,
     )
     state.add(pending)
     if state.commit_written:

@@ -55,7 +55,7 @@ from . import pipeline_hooks as _hooks
 from .direct_pipeline import DirectBatch, prepared_statement
 
 if TYPE_CHECKING:
-    from .rows import Settle
+    from .dedupe import Settle
 
 __all__ = [
     "before_commit",

@@ -20,7 +20,7 @@ from sqlalchemy.sql.dml import Insert
 
 from .._exceptions import ConfigurationError, EmitError, OutboxError
 from .._tables import outbox_message
-from .dedupe import dropped_indexes, keyed
+from .dedupe import Settle, dropped_indexes, keyed
 from .keys import KeyTemplate
 from .payload import text_problem
 from .pending import PendingEvent
@@ -29,9 +29,6 @@ __all__ = ["aggregate_identity", "write_events"]
 
 _CONFLICT = ["handler", "idempotency_key"]
 m = outbox_message
-#: Takes an INSERT's answer about keyed rows: how many it stored, and (asked only if fewer than
-#: sent) their (handler, idempotency_key) pairs.
-Settle = Callable[[int, Callable[[], Iterable[tuple[Any, Any]]]], None]
 #: Width of the aggregate_type and aggregate_id columns.
 AGGREGATE_LIMIT = 255
 
