@@ -7,7 +7,8 @@ Read it in the order an event travels:
   ``keys`` the key placeholders and the refusal of an id not assigned yet;
 - ``pending``: the per-session buffer, tagged by transaction and savepoint;
 - ``install``: the session listeners that write the buffer at flush and commit;
-- ``rows``: buffered events turned into one INSERT;
+- ``rows``: buffered events turned into one INSERT; ``dedupe``: the rows it
+  dropped as duplicates of a stored key, announced once the transaction commits;
 - ``pipeline`` (with ``direct_pipeline`` and ``pipeline_hooks``): on psycopg,
   the commit's INSERT sent with the COMMIT and its reply read there;
 - ``settings``: what all of these read from the :class:`~outbox.Outbox`, which
