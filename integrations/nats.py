@@ -193,6 +193,12 @@ class NatsPublisher:
     async def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
         """Compare the stream's duplicate window with the route's longest retry gap, once, at start."""
         check = WindowCheck(route.name, longest_retry_gap, self._route_subject(route))
+        if check.subject is None and self.stream is None and self.on_short_window == "refuse":
+            # Only a pattern route gets here: a subject that varies anyway was refused when built.
+            raise ConfigurationError(
+                f"route {route.name!r}: on_short_window='refuse' needs stream=...: its event type "
+                f"{route.event_type!r} is a pattern, so subject {self.subject!r} varies per message"
+            )
         try:
             await self._check_window(check, at_start=True)
         except (OSError, TimeoutError, nats.errors.Error, RetryLater) as exc:
@@ -374,7 +380,9 @@ class NatsPublisher:
     # -- duplicate window -----------------------------------------------------------------
 
     def _route_subject(self, route: Route) -> str | None:
-        if not set(self._subject.fields) <= _STATIC:
+        fields = set(self._subject.fields)
+        # A pattern route's event type is each message's own: its subject varies like aggregate fields do.
+        if not fields <= _STATIC or (route.pattern and "event_type" in fields):
             return None
         return self.subject.format(event_type=route.event_type, handler=route.name)
 

@@ -18,6 +18,7 @@ from ._exceptions import (
     RetryLater,
     UnroutedEvent,
 )
+from ._json import json_default
 from ._message import Handler, Message
 from ._migrations import VERSION_TABLE, downgrade, include_name, include_object, upgrade
 from ._outbox import Outbox
@@ -63,6 +64,7 @@ __all__ = [
     "VERSION_TABLE",
     "include_name",
     "include_object",
+    "json_default",
     "metadata",
     "outbox_attempt",
     "outbox_breaker",

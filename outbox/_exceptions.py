@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from ._topics import is_pattern
+
 __all__ = [
     "ConfigurationError",
     "EmitError",
@@ -57,10 +59,19 @@ class UnroutedEvent(EmitError):
 
     def __init__(self, event_type: str, known: tuple[str, ...] = ()) -> None:
         self.event_type = event_type
-        hint = f" Known event types: {', '.join(known)}." if known else " No routes are registered."
+        #: The wildcard patterns routes subscribe to, none of which matched.
+        self.patterns = tuple(name for name in known if is_pattern(name))
+        exact = [name for name in known if not is_pattern(name)]
+        hint = f" Known event types: {', '.join(exact)}." if exact else ""
+        if self.patterns:
+            hint += (
+                f" Patterns: {', '.join(self.patterns)} ('*' matches one dot-separated word, "
+                "'#' zero or more)."
+            )
         super().__init__(
             f"no route subscribes to event type {event_type!r}; register one with "
-            f"@outbox.handler({event_type!r}) or outbox.route({event_type!r}, ...).{hint}"
+            f"@outbox.handler({event_type!r}) or outbox.route({event_type!r}, ...)."
+            f"{hint or ' No routes are registered.'}"
         )
 
 

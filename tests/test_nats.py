@@ -519,3 +519,30 @@ def test_nats_down_at_start_defers_the_check_and_publishes_are_uncounted_retries
     assert time.monotonic() - began < 10
     assert actions(caplog, "nats_window_deferred")
     assert not retry.counts_as_attempt and retry.detail == {"reason": "connect"}
+
+
+def test_a_wildcard_route_checks_the_window_of_the_stream_it_names_or_refuses_without_one(
+    sqlite_engine: Engine, stream: Stream, caplog: pytest.LogCaptureFixture
+):
+    subject = f"{stream.prefix}.{{event_type}}"
+    ob = Outbox()
+    route = ob.route("order.*", NatsPublisher(URL, subject=subject, on_short_window="refuse"), name="to_nats")
+    with pytest.raises(ConfigurationError, match="is a pattern, so subject .* varies per message"):
+        asyncio.run(route.handler.outbox_start(route, longest_retry_gap=10.0))
+
+    # With the stream named, the check runs; each message's subject is made from its own event type.
+    pub = NatsPublisher(URL, subject=subject, stream=stream.name, on_short_window="refuse")
+    ob = Outbox(default_backoff=FAST)
+    ob.route("order.*", pub, name="to_nats", max_attempts=3, backoff=Backoff(0.5, 2))
+    maker = sessionmaker(sqlite_engine)
+    ob.install(maker)
+    with maker() as s, s.begin():
+        emit(s, "order.paid", {"n": 1})
+        emit(s, "order.placed", {"n": 2})
+    with caplog.at_level(logging.INFO, "outbox"):
+        assert Relay(ob, sqlite_engine, lease=5).run_until_idle().delivered == 2
+    assert actions(caplog, "nats_window_ok")
+    assert sorted(msg.subject for msg in stream.messages()) == [
+        f"{stream.prefix}.order.paid",
+        f"{stream.prefix}.order.placed",
+    ]

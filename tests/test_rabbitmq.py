@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -251,6 +252,32 @@ def test_same_group_arrives_in_emit_order(engine, ob, maker, broker):
     for group in groups:
         seen = [x.body["n"] for x in arrived if x.body["group"] == group]
         assert seen == sorted(seen) and len(seen) == 10
+
+
+def test_the_guides_wildcard_route_publishes_every_order_event_under_its_own_routing_key(
+    engine, ob, maker, broker
+):
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "brokers.md").read_text()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if '"order.*",' in block]
+    assert '"amqp://orders:secret@rabbit.internal/prod"' in example and 'exchange="orders"' in example
+    broker.bind("orders.#")
+    runnable = example.replace('"amqp://orders:secret@rabbit.internal/prod"', repr(BROKER)).replace(
+        'exchange="orders"', f"exchange={broker.exchange!r}"
+    )
+    exec(compile(runnable, "brokers.md", "exec"), {"ob": ob})
+    with maker() as s, s.begin():
+        emit(s, "order.placed", {"n": 1})
+        emit(s, "order.paid", {"n": 2})
+        with pytest.raises(outbox.UnroutedEvent, match=r"Patterns: order\.\*"):
+            emit(s, "order.paid.late", {"n": 3})
+    drain(ob, engine)
+
+    arrived = broker.drain()
+    assert sorted((x.body["n"], x.routing_key, x.headers["ce-type"]) for x in arrived) == [
+        (1, "orders.order.placed", "order.placed"),
+        (2, "orders.order.paid", "order.paid"),
+    ]
+    assert {r.status for r in rows(engine)} == {"delivered"}
 
 
 def test_unroutable_is_dead_with_the_reason_and_a_requeued_copy_keeps_its_ce_id(engine, ob, maker, broker):

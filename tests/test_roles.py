@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aging import age_history
@@ -29,7 +30,7 @@ from test_email import start_server
 from test_ops_cli import assert_one_line_error, ok, ok_json, run
 
 import outbox
-from outbox import Backoff, Message, Outbox, PermanentError, emit, ops
+from outbox import Backoff, Message, Outbox, PermanentError, emit, ops, signals
 from outbox.integrations.email import EmailHandler, outbox_email_sent
 from outbox.integrations.report import ReportJob, outbox_report_chunk
 from outbox.ops import relays
@@ -154,8 +155,14 @@ def test_the_guides_roles_do_their_jobs_and_nothing_more(roles, pg_engine, reque
         for order in (1, 2):
             emit(s, "order.paid", {"order_id": order}, key=f"order:{order}")
         run_id = shop.report.start(s)
+    duplicates: list[dict[str, Any]] = []
+    signals.event_deduplicated.connect(lambda sender, **kw: duplicates.append(kw), sender=shop.ob, weak=False)
     with maker.begin() as s:  # the retried request: ON CONFLICT on the key, no error, nothing stored
         emit(s, "order.paid", {"order_id": 1, "again": True}, key="order:1")
+    # ... and announced, naming the message that holds the key: the guide's grant lets it read the id.
+    with pg_engine.connect() as conn:
+        holder = conn.execute(select(m.c.id).where(m.c.idempotency_key == "order:1")).scalar_one()
+    assert [(kw["key"], kw["existing_id"]) for kw in duplicates] == [("order:1", holder)]
     with maker.begin() as s:  # due in an hour: the operator discards it below
         emit(s, "order.paid", {"order_id": 3}, key="order:3", delay=3600)
     assert len(statuses(pg_engine)) == 1 + 3 + 3  # mail, three orders, three report chunks

@@ -19,6 +19,7 @@ from .. import signals
 from .._exceptions import ConfigurationError, NotInstalled
 from .._tables import outbox_message
 from . import pipeline_hooks
+from .dedupe import announce
 from .not_installed import describe_target, not_installed_message
 from .pending import SessionEvents, events_of, innermost
 from .rows import aggregate_identity, write_events
@@ -113,7 +114,9 @@ def _flush_owed(session: Session, *, pipelined: bool = False) -> None:
     if not owed:
         return
     # The outbox table's own bind, so sessionmaker(binds={...}) works without a default bind.
-    write_events(session.connection(bind_arguments=_OUTBOX_BIND), owed, pipelined=pipelined)
+    connection = session.connection(bind_arguments=_OUTBOX_BIND)
+    write_events(connection, owed, pipelined=pipelined)
+    state.connection = connection  # where dropped duplicates' holders are looked up after the commit
     current = innermost(session)
     for pending in owed:
         pending.written_in = current
@@ -245,13 +248,17 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
         if session.get_nested_transaction() is not None or not mine(session):
             return
         state = events_of(session, create=False)
-        if state is None or not signals.messages_committed.receivers:
+        if state is None:
             return
-        queues: dict[EmitSettings, set[str]] = {}
-        for pending in state.written():
-            queues.setdefault(pending.outbox, set()).update(row["queue"] for row in pending.rows)
-        for outbox, names in queues.items():
-            signals.messages_committed.send(outbox, session=session, queues=names)
+        written = state.written()
+        if signals.messages_committed.receivers:  # first: an embedded relay waits on it
+            queues: dict[EmitSettings, set[str]] = {}
+            for pending in written:
+                queues.setdefault(pending.outbox, set()).update(row["queue"] for row in pending.rows)
+            for outbox, names in queues.items():
+                signals.messages_committed.send(outbox, session=session, queues=names)
+        if any(pending.dropped for pending in written):
+            announce(session, state.connection, written)
 
     def after_soft_rollback(session: Session, previous: SessionTransaction) -> None:
         if mine(session):
@@ -269,6 +276,7 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
             state.commit_written = False
         if transaction.parent is None:
             state.ended(transaction)
+            state.connection = None
 
     return [
         ("after_transaction_create", after_transaction_create),

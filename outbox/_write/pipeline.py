@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
 from psycopg import pq
@@ -53,6 +53,9 @@ from sqlalchemy.exc import DBAPIError, StatementError
 
 from . import pipeline_hooks as _hooks
 from .direct_pipeline import DirectBatch, prepared_statement
+
+if TYPE_CHECKING:
+    from .dedupe import Settle
 
 __all__ = [
     "before_commit",
@@ -93,6 +96,12 @@ class _PsycopgBatch:
     def inserted(self) -> bool:
         return (self._cursor.statusmessage or "").startswith("INSERT")
 
+    def stored_count(self) -> int:
+        return max(self._cursor.rowcount, 0) if self._cursor.description is not None else 0
+
+    def stored_pairs(self) -> list[tuple[Any, Any]]:
+        return [tuple(row) for row in self._cursor.fetchall()] if self._cursor.description is not None else []
+
     def send_commit(self) -> None:
         self._raw.cursor().execute("COMMIT")  # may already raise the INSERT's refusal
 
@@ -110,6 +119,8 @@ class _Pending:
     raw: psycopg.Connection[Any]
     batch: _PsycopgBatch | DirectBatch
     statement: str
+    #: Takes the rows a keyed INSERT stored once its reply is read (``rows.write_events``).
+    on_reply: Settle | None = None
     #: Set when a statement read the reply early and it was an error: the COMMIT must fail too.
     failure: psycopg.Error | None = None
 
@@ -136,15 +147,39 @@ def pipeline_connection(connection: Connection) -> psycopg.Connection[Any] | Non
 
 
 def send_in_pipeline(
-    connection: Connection, raw: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]
+    connection: Connection,
+    raw: psycopg.Connection[Any],
+    sql: str,
+    params: tuple[Any, ...],
+    *,
+    on_reply: Settle | None = None,
 ) -> None:
-    """Send the INSERT without waiting; its reply is read by the hooks below."""
+    """Send the INSERT without waiting; its reply is read by the hooks below.
+
+    ``on_reply`` is handed the rows a keyed INSERT stored once its reply has
+    been read without error (not when a rollback discards it).
+    """
     try:
         prepared = prepared_statement(raw, sql, params)
         batch = DirectBatch(raw, prepared) if prepared else _PsycopgBatch(raw, sql, params)
     except psycopg.Error as exc:
         _raise(connection, exc, sql, params)
-    _pending[id(raw)] = _Pending(raw, batch, sql)
+    _pending[id(raw)] = _Pending(raw, batch, sql, on_reply)
+
+
+def _settle(pending: _Pending) -> None:
+    """Hand the stored rows over; it only remembers what was dropped, and must never fail a commit."""
+    if pending.on_reply is None:
+        return
+    batch = pending.batch
+    try:
+        pending.on_reply(batch.stored_count(), batch.stored_pairs)
+    except Exception:
+        log.warning(
+            "could not tell which outbox rows were dropped as duplicates",
+            exc_info=True,
+            extra={"action": "deduplicated"},
+        )
 
 
 def _raw_of(connection: Connection) -> Any:
@@ -209,6 +244,7 @@ def before_statement(connection: Connection) -> None:
         raise _wrapped(connection, pending.failure, pending.statement)
     try:
         _read(pending)
+        _settle(pending)
     except psycopg.Error as exc:
         _give_up_if_interrupted(connection, pending, exc)
         pending.failure = exc
@@ -272,6 +308,7 @@ def before_commit(connection: Connection) -> None:
         if ride:
             pending.batch.send_commit()
         _read(pending)
+        _settle(pending)
     except psycopg.Error as exc:
         _give_up_if_interrupted(connection, pending, exc)
         _leave(pending, sys.exc_info())
