@@ -297,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
     reset.add_argument("--json", action="store_true")
 
-    purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
+    purge = commands.add_parser(
+        "purge", help="retention: delete old finished messages, old history and expired inbox markers"
+    )
     _add_database(purge)
     purge.add_argument("--delivered-older-than", type=_age, required=True, metavar="AGE", help="e.g. 30d")
     purge.add_argument("--history-older-than", type=_history_age, metavar="AGE", help="e.g. 90d; at least 1d")

@@ -388,7 +388,19 @@ def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
         history_of_unresolved=args.include_unresolved_history,
     )
     if args.json:
-        _print_json({"messages": result.messages, "attempts": result.attempts, "batches": result.batches})
+        _print_json(
+            {
+                "messages": result.messages,
+                "attempts": result.attempts,
+                "markers": result.markers,
+                "batches": result.batches,
+            }
+        )
+    elif result.markers:
+        print(
+            f"purged {result.messages} message(s), {result.attempts} history row(s)"
+            f" and {result.markers} inbox marker(s)"
+        )
     else:
         print(f"purged {result.messages} message(s) and {result.attempts} history row(s)")
     return 0
