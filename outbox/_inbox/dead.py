@@ -45,8 +45,10 @@ _SQLITE_DEAD: Final[Insert] = (
 
 
 def error_name(error: BaseException) -> str:
+    """The exception's public type name: ``ValueError``, ``outbox.NoInboxHandler``, ``myapp.Refused``."""
     kind = type(error)
-    module = kind.__module__
+    # The public path (outbox.MessageTooOld), not the private module it lives in, as the relay says it.
+    module = "outbox" if kind.__module__.startswith("outbox._") else kind.__module__
     name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
     return name[:_NAME_LIMIT]
 

@@ -53,8 +53,12 @@ _PG_MARK: Final[Insert] = (
     # No conflict target: the primary key is the table's only unique index, and naming it would
     # need SELECT on its columns, which the consumer's login is not granted.
     .on_conflict_do_nothing()
+    # The answer is the row count, which SQLAlchemy keeps for an INSERT only when asked to.
+    .execution_options(preserve_rowcount=True)
 )
-_SQLITE_MARK: Final[Insert] = sqlite.insert(outbox_inbox).on_conflict_do_nothing()
+_SQLITE_MARK: Final[Insert] = (
+    sqlite.insert(outbox_inbox).on_conflict_do_nothing().execution_options(preserve_rowcount=True)
+)
 
 
 def _params(
