@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from ._first_line import first_line
+
 if TYPE_CHECKING:  # a module of plain data that imports nothing from the package
     from ._inbox.message import InboxMessage, Processed
 
@@ -183,7 +185,7 @@ class HandlerFailed(InboxError):
         where = f"handler {handler!r}" if handler else "writing the handlers' changes"
         super().__init__(
             f"message {message.id!r} ({message.event_type}, attempt {message.attempt}): {where} failed: "
-            f"{type(error).__name__}: {error}"
+            f"{type(error).__name__}: {first_line(error)}"
         )
 
 
@@ -211,5 +213,5 @@ class AckFailed(InboxError):
         self.result = result
         super().__init__(
             f"message {result.message_id!r} is {result.outcome} and committed, but acknowledging it failed: "
-            f"{type(error).__name__}: {error}; its redelivery will be answered as a duplicate"
+            f"{type(error).__name__}: {first_line(error)}; its redelivery will be answered as a duplicate"
         )
