@@ -18,6 +18,8 @@ def test_the_inbox_guides_examples_print_what_it_shows(tmp_path: Path) -> None:
     for name, code in scripts.items():
         (tmp_path / name).write_text(code)
     for name, output in outputs:
-        run = subprocess.run([sys.executable, name], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [sys.executable, name], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
         assert run.returncode == 0, run.stderr
         assert run.stdout.splitlines() == output.splitlines(), name

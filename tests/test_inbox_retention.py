@@ -16,7 +16,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
-from test_ops_cli import ok_json, run
+from test_ops_cli import ok, ok_json, run
 
 import outbox
 from outbox import Inbox, InboxMessage, MessageTooOld, ops
@@ -126,3 +126,22 @@ def test_the_downgrade_keeps_markers_in_their_window_and_dead_letters(empty_url)
             outbox.downgrade(empty_url, "outbox_0019")
     finally:
         engine.dispose()
+
+
+def test_outbox_inbox_dead_lists_dead_letters_with_secrets_masked(engine, database_url):
+    with Session(engine) as s, s.begin():
+        for n, consumer in enumerate(("billing", "billing", "shipping")):
+            message = InboxMessage(f"m{n}", "order.paid", {"order": n, "card_token": "tok_4242"})
+            Inbox(consumer).dead_letter(s, message, ValueError(f"order {n} has no customer"), attempts=n)
+    listed = ok_json(run("inbox", "dead", "--consumer", "billing", "--json", database_url=database_url))
+    assert [(x["message_id"], x["attempts"], x["error"]) for x in listed] == [
+        ("m1", 1, "order 1 has no customer"),
+        ("m0", 0, "order 0 has no customer"),
+    ]
+    assert listed[0]["payload"] == {"order": 1, "card_token": "***"}
+    table = ok(run("inbox", "dead", "--limit", "1", database_url=database_url)).splitlines()
+    assert table[0].split()[:3] == ["id", "consumer", "message"] and len(table) == 2
+    assert "shipping  m2" in table[1]
+    assert ok(run("inbox", "dead", "--consumer", "nobody", database_url=database_url)).strip() == (
+        "no dead letter for consumer nobody"
+    )

@@ -16,6 +16,7 @@ import pytest
 from aging import age_markers
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
+from test_ops_cli import ok_json, run
 from test_roles import Roles, guide_roles, refused
 
 import outbox
@@ -90,6 +91,8 @@ def test_the_consumer_takes_messages_in_and_the_operator_purges_their_markers(ro
     with operator.connect() as conn:
         assert conn.execute(select(func.count()).select_from(i)).scalar_one() == 3
         assert conn.execute(select(dead.c.payload)).scalar_one() == {"order": "bad"}
+    listed = ok_json(run("inbox", "dead", "--json", database_url=roles.urls["outbox_operator"]))
+    assert [(x["message_id"], x["error"]) for x in listed] == [("m2", "no such customer")]
     refused(operator, "DELETE FROM outbox_inbox")
     refused(
         operator,

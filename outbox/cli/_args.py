@@ -117,6 +117,13 @@ def _batch_size(value: str) -> int:
     return number
 
 
+def _limit(value: str) -> int:
+    number = _count(value)
+    if number > ops.MAX_DEAD_LETTERS:
+        raise argparse.ArgumentTypeError(f"at most {ops.MAX_DEAD_LETTERS}, got {value!r}")
+    return number
+
+
 def _where(value: str) -> ops.PayloadEquals:
     try:
         return ops.parse_where(_text(value))
@@ -296,6 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--reason", type=_text, required=True, help="why: recorded in outbox_breaker_log")
     reset.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
     reset.add_argument("--json", action="store_true")
+
+    inbox = commands.add_parser(
+        "inbox",
+        help="the inbox's dead letters: messages a consumer gave up on",
+        description="The inbox's dead letters (outbox_inbox_dead), newest first.",
+    )
+    inbox_verbs = inbox.add_subparsers(dest="inbox_command", required=True, metavar="VERB")
+    dead = inbox_verbs.add_parser("dead", help="dead letters, newest first")
+    _add_database(dead)
+    dead.add_argument("--consumer", type=_text, help="one inbox's name (default: every consumer)")
+    dead.add_argument(
+        "--limit", type=_limit, default=50, help="at most this many (default: 50, at most 1000)"
+    )
+    dead.add_argument("--json", action="store_true", help="with payload and headers")
 
     purge = commands.add_parser(
         "purge", help="retention: delete old finished messages, old history and expired inbox markers"
