@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from sqlalchemy.orm import Session
 
 from .._exceptions import AckFailed, ConfigurationError, HandlerFailed, PermanentError
+from .._first_line import first_line
 from .checks import check_message
 from .dead import bury, bury_async
 from .handlers import InboxHandler
@@ -92,7 +93,7 @@ def _finished(inbox: InboxSettings, message: InboxMessage, result: Processed) ->
             message.id,
             message.event_type,
             result.dead_letter_id,
-            result.error,
+            "" if result.error is None else first_line(result.error),
             extra=extra,
         )
     elif log.isEnabledFor(logging.DEBUG):
