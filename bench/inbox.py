@@ -16,7 +16,9 @@ message:
 
 The cost is the difference of percentiles of the same run: ``process`` p50
 minus ``plain`` p50 (the target: at most 300 µs on PostgreSQL), and the same
-at p99; likewise for ``receive``. The check: every domain row is there once,
+at p99; likewise for ``receive``. Beside it, the benchmark process's own CPU
+per message (mean), which moves less with the host's other load than the
+wall-clock figures do. The check: every domain row is there once,
 every marker once, and the duplicates added nothing.
 """
 
@@ -76,9 +78,9 @@ def inbox_cost(url: URL, *, transactions: int) -> dict[str, Any]:
     def ship(session: Session, message: InboxMessage) -> None:
         session.add(Shipment(message_id=message.id, kind="process"))
 
-    def once(kind: str, n: int) -> float:
+    def once(kind: str, n: int) -> tuple[float, float]:
         message_id = f"{kind}-{n}"
-        began = time.perf_counter()
+        cpu, began = time.process_time(), time.perf_counter()
         if kind == "process":
             inbox.process(sessions, InboxMessage(message_id, "order.shipped", {"n": n}))
         elif kind == "duplicate":  # the previous round's message: on odd rounds this one's comes later
@@ -89,15 +91,17 @@ def inbox_cost(url: URL, *, transactions: int) -> dict[str, Any]:
             with sessions() as session, session.begin():
                 if kind == "plain" or inbox.receive(session, message_id):
                     session.add(Shipment(message_id=message_id, kind=kind))
-        return time.perf_counter() - began
+        return time.perf_counter() - began, time.process_time() - cpu
 
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    cpu_spent = dict.fromkeys(KINDS, 0.0)
     try:
         for i in range(WARMUP + transactions):
             for kind in KINDS if i % 2 == 0 else KINDS[::-1]:
-                elapsed = once(kind, i)
+                elapsed, cpu = once(kind, i)
                 if i >= WARMUP:
                     samples[kind].append(elapsed * 1e6)
+                    cpu_spent[kind] += cpu
         _verify(engine, WARMUP + transactions)
     finally:
         engine.dispose()
@@ -105,9 +109,11 @@ def inbox_cost(url: URL, *, transactions: int) -> dict[str, Any]:
     for kind in KINDS:
         figures[f"{kind}_us_p50"] = _percentile(samples[kind], 0.50)
         figures[f"{kind}_us_p99"] = _percentile(samples[kind], 0.99)
+        figures[f"{kind}_cpu_us"] = cpu_spent[kind] / transactions * 1e6
     for kind in ("receive", "process"):
         for stat in ("p50", "p99"):
             figures[f"{kind}_added_us_{stat}"] = figures[f"{kind}_us_{stat}"] - figures[f"plain_us_{stat}"]
+        figures[f"{kind}_added_cpu_us"] = figures[f"{kind}_cpu_us"] - figures["plain_cpu_us"]
     return figures
 
 
@@ -147,7 +153,7 @@ def inbox_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         figure = (
             f"+{us('process_added_us_p50')} / +{us('process_added_us_p99')} us (p50 / p99) "
             f"on {us('plain_us_p50')} / {us('plain_us_p99')}; marker alone +{us('receive_added_us_p50')}; "
-            f"duplicate {us('duplicate_us_p50')}"
+            f"duplicate {us('duplicate_us_p50')}; client CPU +{us('process_added_cpu_us')}"
         )
         added = out.get(f"{prefix}_process_added_us_p50")
         if label == "pg":
