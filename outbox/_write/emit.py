@@ -171,7 +171,7 @@ def emit(
     route's ``expires_after`` from the time the row is stored.
     """
     sync_session = _sync(session)
-    outbox = outbox_for(sync_session)
+    outbox = outbox_for(sync_session, session)
     if sync_session.twophase:
         raise ConfigurationError(
             "emit() cannot be used in a two-phase (twophase=True) session: PostgreSQL refuses "

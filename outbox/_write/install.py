@@ -19,14 +19,17 @@ from .. import signals
 from .._exceptions import ConfigurationError, NotInstalled
 from .._tables import outbox_message
 from . import pipeline_hooks
+from .not_installed import describe_target, not_installed_message
 from .pending import SessionEvents, events_of, innermost
 from .rows import aggregate_identity, write_events
 from .settings import EmitSettings
 
-__all__ = ["install", "outbox_for", "uninstall"]
+__all__ = ["install", "outbox_for", "uninstall", "write_owed"]
 
 _served: dict[type[Session], EmitSettings] = {}
 _listeners: dict[type[Session], list[tuple[str, Callable[..., Any]]]] = {}
+#: What each served class was installed through, described for NotInstalled.
+_targets: dict[type[Session], list[str]] = {}
 
 _TARGETS = (
     "a Session class, a sessionmaker, a scoped_session, "
@@ -90,13 +93,12 @@ def _owner(session: Session) -> type[Session] | None:
     return None
 
 
-def outbox_for(session: Session) -> EmitSettings:
+def outbox_for(session: Session, facade: Any = None) -> EmitSettings:
+    """The Outbox serving ``session``; ``facade`` is the AsyncSession the caller holds, if any."""
     owner = _owner(session)
     if owner is None:
-        raise NotInstalled(
-            f"no Outbox is installed for {type(session).__name__} sessions; call "
-            "ob.install(<your Session class or sessionmaker>) at start-up"
-        )
+        installed = (target for targets in _targets.values() for target in targets)
+        raise NotInstalled(not_installed_message(session, facade, installed))
     return _served[owner]
 
 
@@ -134,6 +136,20 @@ def write_late(session: Session) -> None:
             return
     else:
         session.flush()
+    _flush_owed(session)
+
+
+def write_owed(session: Session) -> None:
+    """Write now what the session's commit would write: its aggregates flushed, its events stored.
+
+    For a test that reads its own transaction and never commits. Whatever
+    happens next (a commit, a savepoint rollback) treats the rows as it treats
+    rows a flush wrote.
+    """
+    state = events_of(session, create=False)
+    if state is None or not state.unwritten():
+        return
+    session.flush()
     _flush_owed(session)
 
 
@@ -281,6 +297,9 @@ def install(outbox: EmitSettings, target: Any) -> None:
             event.listen(cls, name, fn)
         _listeners[cls] = listeners
     _served[cls] = outbox
+    described = describe_target(target, cls)
+    if described not in _targets.setdefault(cls, []):
+        _targets[cls].append(described)
 
 
 def uninstall(outbox: EmitSettings, target: Any) -> None:
@@ -288,5 +307,6 @@ def uninstall(outbox: EmitSettings, target: Any) -> None:
     if _served.get(cls) is not outbox:
         raise ConfigurationError(f"this Outbox is not installed on {cls.__name__}")
     del _served[cls]
+    _targets.pop(cls, None)
     for name, fn in _listeners.pop(cls, []):
         event.remove(cls, name, fn)
