@@ -46,6 +46,9 @@ def test_a_purge_deletes_only_markers_past_their_window_and_records_how_many(eng
         record = conn.execute(select(runs)).one()
     assert (record.markers_deleted, record.messages_deleted) == (3, 0)
     assert record.finished_at is not None
+    # The purge's own connections refuse a plain DELETE again afterwards, saying why.
+    with pytest.raises(DBAPIError, match="kept until kept_until|no such function"), engine.begin() as conn:
+        conn.execute(text("DELETE FROM outbox_inbox"))
 
 
 def test_outbox_purge_reports_the_markers_it_deleted(engine, database_url):
@@ -145,3 +148,19 @@ def test_outbox_inbox_dead_lists_dead_letters_with_secrets_masked(engine, databa
     assert ok(run("inbox", "dead", "--consumer", "nobody", database_url=database_url)).strip() == (
         "no dead letter for consumer nobody"
     )
+
+
+def test_a_disposable_test_database_is_emptied_of_markers_and_dead_letters_too(engine):
+    from outbox.testing import reset
+
+    with Session(engine) as s, s.begin():
+        Inbox("billing").receive(s, "m1")
+        Inbox("billing").dead_letter(s, InboxMessage("m2", "order.paid"), ValueError("no customer"))
+        Inbox("billing").store_offset(s, "orders", 0, 5)
+    emptied = reset(engine, disposable=True)
+    assert {"outbox_inbox", "outbox_inbox_dead", "outbox_inbox_offset"} <= set(emptied)
+    assert kept(engine) == set()
+    with Session(engine) as s, s.begin():  # the guards are back
+        Inbox("billing").receive(s, "m3")
+    with pytest.raises(DBAPIError), engine.begin() as conn:
+        conn.execute(text("DELETE FROM outbox_inbox"))
