@@ -56,6 +56,13 @@ _PG_MARK: Final[Insert] = (
     # The answer is the row count, which SQLAlchemy keeps for an INSERT only when asked to.
     .execution_options(preserve_rowcount=True)
 )
+#: psycopg, the hot path: the statement as text with positional parameters, so no compiled-cache
+#: lookup or bind processing runs per message (as ``emit()``'s INSERT on psycopg).
+_PSYCOPG_MARK: Final = (
+    "INSERT INTO outbox_inbox (consumer, message_id, event_type, source, outcome, kept_until)"
+    " VALUES (%s, %s, %s, %s, %s, now() + %s) ON CONFLICT DO NOTHING"
+)
+_COUNTED: Final = {"preserve_rowcount": True}
 _SQLITE_MARK: Final[Insert] = (
     sqlite.insert(outbox_inbox).on_conflict_do_nothing().execution_options(preserve_rowcount=True)
 )
@@ -101,6 +108,9 @@ def mark(
     """
     connection = connection_of(session, what, BIND)
     dialect = connection.dialect.name
+    if dialect == "postgresql" and connection.dialect.driver == "psycopg":
+        row = (settings.name, message_id, event_type, source, outcome, settings.keep)
+        return connection.exec_driver_sql(_PSYCOPG_MARK, row, execution_options=_COUNTED).rowcount == 1
     statement = _PG_MARK if dialect == "postgresql" else _SQLITE_MARK
     params = _params(settings, message_id, outcome, event_type, source, dialect)
     return connection.execute(statement, params).rowcount == 1
