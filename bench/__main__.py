@@ -25,6 +25,7 @@ from .drain import RelaySettings, drain_postgres, drain_sqlite
 from .emit import emit_overhead
 from .emit_report import emit_figures, emit_targets
 from .harness import Scratch, server_version
+from .inbox import inbox_rows, run_inbox
 from .latency import wake_latency
 from .memory import peak_rss
 from .peers import PEER_MODES, peer_rows, run_peers
@@ -75,6 +76,7 @@ QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 50_000, 20, 2000)
 MODES = (
     "emit",
     "tracing",
+    "inbox",
     "latency",
     "drain",
     *PEER_MODES,
@@ -262,6 +264,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     emit_tracing_inject_us=traced["inject_us"],
                     **{f"emit_tracing_per_s_{kind}": rate for kind, rate in traced["rates"].items()},
                 )
+        if want("inbox"):
+            run_inbox(r.mode, out, scratch, transactions=sizes.emit_transactions, sqlite=not args.no_sqlite)
         if want("latency"):
             wake = r.mode(
                 "wake-up latency",
@@ -485,6 +489,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             verdict(None if tracing is None else tracing <= 1.05),
         )
     )
+    rows.extend(inbox_rows(out))
     rows.append(("2 drain, 1 relay", f"{_fmt(out.get('drain_per_s_1'), ',.0f')} msg/s", "", "-"))
     two_ok = out["drain_per_s_2"] > out["drain_per_s_1"] if known("drain_per_s_1", "drain_per_s_2") else None
     rows.append(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
 from ._routes import Route, Transform, check_name, check_plain_callable, check_priority, handler_name
-from ._topics import is_pattern
+from ._topic import is_topic_pattern
 from ._write.install import install as install_listeners
 from ._write.install import uninstall as uninstall_listeners
 from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT, JsonDefault
@@ -217,7 +217,7 @@ class Outbox:
     def _resolve(self, event_type: str) -> tuple[Route, ...]:
         if not self._has_patterns:
             found = self._by_event.get(event_type, ())
-        elif not isinstance(event_type, str) or is_pattern(event_type):
+        elif not isinstance(event_type, str) or is_topic_pattern(event_type):
             return ()
         else:
             found = tuple(route for route in self._routes.values() if route.matches(event_type))

@@ -12,7 +12,7 @@ from typing import Any
 
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
-from ._topics import is_pattern, pattern_problem, segments_match
+from ._topic import is_topic_pattern, topic_pattern_problem, words_match
 
 __all__ = ["Route", "Transform", "Validator", "check_name", "check_plain_callable", "handler_name"]
 
@@ -90,10 +90,10 @@ class Route:
 
     def __post_init__(self) -> None:
         check_name("event type", self.event_type)
-        problem = pattern_problem(self.event_type)
+        problem = topic_pattern_problem(self.event_type)
         if problem:
             raise ConfigurationError(f"route {self.name!r}: {problem}")
-        object.__setattr__(self, "pattern", is_pattern(self.event_type))
+        object.__setattr__(self, "pattern", is_topic_pattern(self.event_type))
         object.__setattr__(self, "_words", tuple(self.event_type.split(".")))
         check_name("route name", self.name)
         check_name("queue", self.queue)
@@ -138,7 +138,7 @@ class Route:
         """Is an event of ``event_type`` (a plain event type, never a pattern) one this route takes?"""
         if not self.pattern:
             return event_type == self.event_type
-        return segments_match(self._words, tuple(event_type.split(".")))
+        return words_match(self._words, tuple(event_type.split(".")))
 
 
 def check_plain_callable(fn: object, what: str) -> None:

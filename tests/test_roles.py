@@ -37,7 +37,7 @@ from outbox.ops import relays
 from outbox.relay import Relay
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
-ROLES = ("outbox_app", "outbox_relay", "outbox_operator")
+ROLES = ("outbox_app", "outbox_relay", "outbox_operator", "outbox_consumer")
 m, a = outbox.outbox_message, outbox.outbox_attempt
 
 sales = Table("sales", MetaData(), Column("id", Integer, primary_key=True), Column("region", String(20)))
@@ -71,8 +71,9 @@ def guide_roles(pg_url: str) -> Iterator[Roles]:
     """The guide's roles in ``pg_url``'s database, with unique names; dropped again afterwards."""
     suffix = uuid.uuid4().hex[:10]
     names = {role: f"{role}_{suffix}" for role in ROLES}
-    sql = re.sub(r"\b(outbox_app|outbox_relay|outbox_operator)\b", lambda r: names[r.group(1)], roles_sql())
-    assert sql.count("CREATE ROLE") == 3
+    pattern = r"\b(outbox_app|outbox_relay|outbox_operator|outbox_consumer)\b"
+    sql = re.sub(pattern, lambda r: names[r.group(1)], roles_sql())
+    assert sql.count("CREATE ROLE") == len(ROLES)
     admin = create_engine(pg_url)
     with admin.begin() as conn:
         conn.exec_driver_sql(sql)  # the guide's block, as one script
@@ -274,7 +275,7 @@ def test_the_guides_roles_do_their_jobs_and_nothing_more(roles, pg_engine, reque
         )
     )
     # Every delivered or discarded message except the requeued original (dead, kept for the record).
-    assert purged == {"messages": 7, "attempts": history_rows, "batches": 2}
+    assert purged == {"messages": 7, "attempts": history_rows, "markers": 0, "batches": 2}
     assert set(_ids(pg_engine).values()) == {dead}
     with pg_engine.connect() as conn:
         (retention,) = conn.execute(select(outbox.outbox_retention_run)).all()
@@ -382,7 +383,7 @@ def test_the_operator_resends_over_its_own_login_and_the_database_stamps_it(
     import outbox.ops._resend as resending
     from outbox.dashboard import create_app
 
-    app, relay_engine, operator = (roles.engine(r) for r in ROLES)
+    app, relay_engine, operator = (roles.engine(r) for r in ROLES[:3])
     received: list[Message] = []
     ob = Outbox()
     ob.route("order.paid", received.append, name="partner_webhook")
@@ -452,7 +453,7 @@ def test_relays_share_breakers_and_the_operator_resets_them_over_their_own_login
 
     from outbox.integrations.webhook import WebhookHandler
 
-    app, relay_engine, operator = (roles.engine(r) for r in ROLES)
+    app, relay_engine, operator = (roles.engine(r) for r in ROLES[:3])
     receiver = Receiver()
     receiver.default = Reply(500)
     serving = serve(receiver)
@@ -544,7 +545,7 @@ def _ids(engine: Engine) -> dict[tuple[str, str | None], int]:
 
 
 def test_the_guides_block_is_the_one_this_test_runs():
-    """A guard for the extraction itself: three roles, only GRANT/CREATE ROLE, and no superpowers."""
+    """A guard for the extraction itself: four roles, only GRANT/CREATE ROLE, and no superpowers."""
     sql = roles_sql()
     statements = [s.strip() for s in re.sub(r"--[^\n]*", "", sql).split(";") if s.strip()]
     assert all(s.startswith(("CREATE ROLE", "GRANT")) for s in statements), statements

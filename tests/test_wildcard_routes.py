@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 import outbox
 from outbox import ConfigurationError, InvalidEmitOption, Outbox, UnroutedEvent, emit
-from outbox._topics import segments_match
+from outbox._topic import words_match
 
 m = outbox.outbox_message
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -72,7 +72,7 @@ def _reference(pattern: str, event_type: str) -> bool:
     st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=6),
 )
 def test_matching_agrees_with_a_regular_expression_reading_of_the_rules(pattern, words):
-    assert segments_match(tuple(pattern), tuple(words)) == _reference(".".join(pattern), ".".join(words))
+    assert words_match(tuple(pattern), tuple(words)) == _reference(".".join(pattern), ".".join(words))
 
 
 def test_an_event_matched_by_several_routes_is_stored_once_for_each(engine, ob, maker):

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from .. import signals
 from .._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
 from .._routes import Route, check_name, check_priority
-from .._topics import is_pattern
+from .._topic import is_topic_pattern
 from .._tracing import emit_headers
 from .install import outbox_for, write_late
 from .keys import KEY_LIMIT, KeyTemplate, check_payload_ids, fill_key
@@ -191,7 +191,7 @@ def emit(
         raise InvalidEmitOption(f"event_type must be a non-empty string, got {event_type!r}")
     routes = outbox.routes_for(event_type)
     if not routes:
-        if is_pattern(event_type):
+        if is_topic_pattern(event_type):
             raise InvalidEmitOption(
                 f"event_type {event_type!r} is a pattern ('*' and '#' words are wildcards): "
                 "routes subscribe to patterns, an emit names one event type"

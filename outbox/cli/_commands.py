@@ -388,9 +388,47 @@ def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
         history_of_unresolved=args.include_unresolved_history,
     )
     if args.json:
-        _print_json({"messages": result.messages, "attempts": result.attempts, "batches": result.batches})
+        _print_json(
+            {
+                "messages": result.messages,
+                "attempts": result.attempts,
+                "markers": result.markers,
+                "batches": result.batches,
+            }
+        )
+    elif result.markers:
+        print(
+            f"purged {result.messages} message(s), {result.attempts} history row(s)"
+            f" and {result.markers} inbox marker(s)"
+        )
     else:
         print(f"purged {result.messages} message(s) and {result.attempts} history row(s)")
+    return 0
+
+
+def _cmd_inbox(engine: Engine, args: argparse.Namespace) -> int:
+    found = ops.inbox_dead_letters(engine, consumer=args.consumer, limit=args.limit)
+    if args.json:
+        _print_json([letter.as_dict() for letter in found])
+    elif not found:
+        print("no dead letter" + (f" for consumer {args.consumer}" if args.consumer else ""))
+    else:
+        rows = [
+            [
+                x.id,
+                x.consumer,
+                x.message_id,
+                x.event_type,
+                x.attempts,
+                _when(x.dead_at),
+                x.error_type,
+                x.error,
+            ]
+            for x in found
+        ]
+        _table(
+            rows, ["id", "consumer", "message id", "event type", "attempts", "dead at", "error type", "error"]
+        )
     return 0
 
 
@@ -406,6 +444,7 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "pause": _cmd_pause,
     "resume": _cmd_pause,
     "purge": _cmd_purge,
+    "inbox": _cmd_inbox,
     "breaker": _cmd_breaker,
     "dashboard": run_dashboard,
 }

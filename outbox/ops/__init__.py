@@ -1,5 +1,5 @@
 """Operations: stats, list, show, requeue, resend, discard, retry-now, pause and resume, retention,
-relays, circuit breakers, dashboard reads.
+relays, circuit breakers, the inbox's dead letters, dashboard reads.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -26,6 +26,7 @@ from ._dashboard import (
     lineage,
 )
 from ._filters import MessageFilter, candidate_ids, count_candidates, requeue_candidates
+from ._inbox import MAX_DEAD_LETTERS, InboxDeadLetter, inbox_dead_letters
 from ._keys import ROOT_KEY_LIMIT, requeued_key, resent_key, root_key
 from ._live import change_marker
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
@@ -48,6 +49,7 @@ from ._where import PayloadEquals, WhereError, parse_where
 
 __all__ = [
     "ACTIVITY_RETRIED",
+    "MAX_DEAD_LETTERS",
     "MAX_ACTIVITY_MINUTES",
     "MAX_PURGE_BATCH",
     "MAX_REPORT_RUNS",
@@ -61,6 +63,7 @@ __all__ = [
     "DeadChunk",
     "HistoryEntry",
     "HistoryFilter",
+    "InboxDeadLetter",
     "Lineage",
     "LineageCopy",
     "MessageFilter",
@@ -91,6 +94,7 @@ __all__ = [
     "count_messages",
     "discard",
     "follow_history",
+    "inbox_dead_letters",
     "lineage",
     "list_messages",
     "login_apart",
