@@ -64,7 +64,7 @@ def prepared_statement(raw: psycopg.Connection[Any], sql: str, params: Sequence[
 class DirectBatch:
     """The INSERT sent in libpq pipeline mode; the COMMIT may follow; one Sync ends it."""
 
-    __slots__ = ("_raw", "_pgconn", "inserted", "_stored")
+    __slots__ = ("_raw", "_pgconn", "inserted", "_stored", "committed")
 
     def __init__(self, raw: psycopg.Connection[Any], statement: Statement) -> None:
         name, params, formats = statement
@@ -74,6 +74,9 @@ class DirectBatch:
         self.inserted = False
         #: Its RETURNING rows, when it has a RETURNING clause (a batch with keys).
         self._stored: pq.abc.PGresult | None = None
+        #: The COMMIT's reply said it committed: true from the moment it is read,
+        #: even if the connection is lost before the Sync's.
+        self.committed = False
         pgconn.enter_pipeline_mode()
         try:
             pgconn.send_query_prepared(name, params, param_formats=formats)
@@ -97,7 +100,7 @@ class DirectBatch:
             result = pgconn.get_result()
             if result is None:  # the end of one statement's replies
                 if pgconn.status != pq.ConnStatus.OK:
-                    raise psycopg.OperationalError("the connection was lost before the commit's replies")
+                    raise psycopg.OperationalError("the connection was lost reading the commit's replies")
                 continue
             status = result.status
             if status == _SYNC:
@@ -106,6 +109,9 @@ class DirectBatch:
             if replies == 1 and status in (_COMMAND_OK, _TUPLES_OK):
                 self.inserted = True
                 self._stored = result if status == _TUPLES_OK else None
+            elif status == _COMMAND_OK and replies == 2 and result.command_status == _COMMIT:
+                # (A COMMIT in a failed transaction answers ROLLBACK.)
+                self.committed = True
             elif status == _FATAL and refusal is None:
                 refusal = result
         pgconn.exit_pipeline_mode()
