@@ -21,16 +21,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from outbox import Message, signals
+from outbox import signals
 
 from .announce import send
 from .claim_position import ClaimPositions, Position
-from .clock import utcnow
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
-from .dispatch import attempt, expired, expired_outcome, to_message, undecodable_outcome
+from .dispatch import CANCELLED, attempt, cut_off, expired, expired_outcome, to_message, undecodable_outcome
 from .documents import undecodable
-from .outcomes import Completion
 from .run_context import RunContext, log
 from .threads import DaemonPool
 from .writer import OutcomeWriter
@@ -248,7 +246,7 @@ class Claimer:
                     )
                     traced.outcome(completion)
             except asyncio.CancelledError:
-                message, completion = _cut_off(row, "Cancelled", _CANCELLED)
+                message, completion = cut_off(row, "Cancelled", CANCELLED)
             except Exception as exc:  # a relay bug must not leave a started attempt without its outcome
                 log.error(
                     "attempt of message #%d could not be classified",
@@ -256,7 +254,7 @@ class Claimer:
                     exc_info=True,
                     extra={"action": "relay_error", "message_id": row.id, "handler": row.handler},
                 )
-                message, completion = _cut_off(
+                message, completion = cut_off(
                     row, "RelayError", f"the relay failed while running this attempt ({type(exc).__name__})"
                 )
             self._writer.add(message, completion)
@@ -265,27 +263,3 @@ class Claimer:
             self._by_queue[queue] -= 1
             if self._saturated:
                 rt.wake.set()
-
-
-_CANCELLED = "the relay stopped before the handler finished; it may or may not have taken effect"
-
-
-def _cut_off(row: Any, error_type: str, error: str) -> tuple[Message, Completion]:
-    """An attempt that began but never finished normally (a forced stop, a relay error).
-
-    It counts, like any attempt that may have taken effect; on its last attempt
-    the message goes dead, as a lease recovery would make it.
-    """
-    now = utcnow()
-    last = row.attempts >= row.max_attempts
-    return to_message(row), Completion(
-        message_id=row.id,
-        attempt=row.attempts,
-        outcome="dead" if last else "failed",
-        status="dead" if last else "pending",
-        started_at=now,
-        finished_at=now,
-        error_type=error_type,
-        error=error,
-        detail={"exhausted": True, "last_outcome": "failed"} if last else None,
-    )
