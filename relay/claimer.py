@@ -1,4 +1,4 @@
-"""The claimer: claim rounds, and one delivery task per claimed message.
+"""The claimer: claim rounds, and one delivery task per claimed message (or per batch).
 
 It owns every message between its claim and the hand-over of its outcome to
 the writer: which are in flight (and in which queue, for per-queue caps),
@@ -11,6 +11,11 @@ A claimed row whose payload or headers could not be decoded
 (``documents.py``) is never given to its handler: its delivery task hands the
 writer a dead outcome with the reason at once. Nor is one claimed past its
 ``expires_at``: its outcome is ``expired``, and the message is discarded.
+
+The rows a claim took for a route whose handler takes batches
+(``outbox_deliver_batch``) share one delivery task, which hands them to the
+handler in one call (``batch.py``); everything the claimer counts is still
+counted per message: in-flight claims, per-queue slots, unstarted claims.
 """
 
 from __future__ import annotations
@@ -24,10 +29,19 @@ from typing import Any
 from outbox import signals
 
 from .announce import send
+from .batch import deliver_batch
 from .claim_position import ClaimPositions, Position
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
-from .dispatch import CANCELLED, attempt, cut_off, expired, expired_outcome, to_message, undecodable_outcome
+from .dispatch import (
+    CANCELLED,
+    attempt,
+    cut_off,
+    expired,
+    expired_outcome,
+    to_message,
+    undecodable_outcome,
+)
 from .documents import undecodable
 from .run_context import RunContext, log
 from .threads import DaemonPool
@@ -72,6 +86,10 @@ class Claimer:
         writer.on_written = self._slots_freed
         writer.deliveries_running = self.inflight.__len__
         writer.min_batch = max(1, batch_size // 2)
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The delivery tasks running: one per message, or one for each batch's messages."""
+        return list(dict.fromkeys(self.inflight.values()))
 
     def held_ids(self) -> list[int]:
         """Messages this relay works on (or must still release): their leases must be renewed."""
@@ -203,10 +221,22 @@ class Claimer:
                 relay=self._rt.sender,
                 messages=[to_message(r) for r in rows],
             )
-        for row, deadline in zip(rows, self._deadlines(rows), strict=True):
+        batches: dict[str, list[Any]] = {}
+        singles = []
+        for row in rows:
+            if row.handler in self._rt.batch_routes:
+                batches.setdefault(row.handler, []).append(row)
+            else:
+                singles.append(row)
+        for row, deadline in zip(singles, self._deadlines(singles), strict=True):
             self._by_queue[queue] += 1
             task = asyncio.create_task(self._deliver(queue, row, deadline), name=f"outbox-message-{row.id}")
             self.inflight[row.id, row.attempts] = task
+        for name, batch in batches.items():
+            self._by_queue[queue] += len(batch)
+            task = asyncio.create_task(self._deliver_batch(queue, name, batch), name=f"outbox-batch-{name}")
+            for row in batch:
+                self.inflight[row.id, row.attempts] = task
 
     def _deadlines(self, rows: list[Any]) -> list[Deadline]:
         """Each row's Deadline: the rows of one route timeout share one (relay/deadline.py)."""
@@ -261,5 +291,35 @@ class Claimer:
         finally:
             self.inflight.pop((row.id, row.attempts), None)
             self._by_queue[queue] -= 1
+            if self._saturated:
+                rt.wake.set()
+
+    async def _deliver_batch(self, queue: str, name: str, rows: list[Any]) -> None:
+        """One call for the rows a claim took for a batch route, under the route's timeout."""
+        rt = self._rt
+        route = rt.routes[name]
+        deadline = Deadline(rt.loop, route.timeout, 1)
+        try:
+            if rt.stopping:
+                deadline.skip()
+                return  # they stay unstarted: the shutdown releases them
+            for row in rows:
+                self._unstarted.pop((row.id, row.attempts), None)
+            fn, is_async = rt.batch_routes[name]
+            await deliver_batch(
+                rt,
+                route,
+                queue,
+                rows,
+                fn=fn,
+                is_async=is_async,
+                deadline=deadline,
+                executor=self._handler_pool,
+                add=self._writer.add,
+            )
+        finally:
+            for row in rows:
+                self.inflight.pop((row.id, row.attempts), None)
+            self._by_queue[queue] -= len(rows)
             if self._saturated:
                 rt.wake.set()
