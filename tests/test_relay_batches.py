@@ -8,12 +8,16 @@ group's messages still go one at a time, in order.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -548,3 +552,19 @@ def test_a_relay_killed_mid_batch_leaves_its_messages_to_lease_recovery(database
         }
     finally:
         engine.dispose()
+
+
+def test_the_batch_handler_example_of_the_relay_guide_runs_as_written(tmp_path):
+    """docs/relay.md, Batches: the script prints what its closing comments say."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "relay.md").read_text()
+    section = guide[guide.index("\n## Batches\n") :]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block is not None
+    script = tmp_path / "batches.py"
+    script.write_text(block.group(1))
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    promised = [line[2:] for line in block.group(1).splitlines() if line.startswith("# ")]
+    assert run.stdout.splitlines() == promised
