@@ -26,12 +26,11 @@ the batch gets a counted ``failed`` attempt saying so. Rows claimed past their
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from outbox import Message, Route
 
@@ -50,13 +49,9 @@ from .dispatch import (
 )
 from .documents import undecodable
 from .outcomes import Completion
-
-if TYPE_CHECKING:
-    from .run_context import RunContext
+from .run_context import RunContext, log
 
 __all__ = ["HOOK", "BatchCall", "batch_routes", "deliver_batch"]
-
-log = logging.getLogger("outbox.relay")
 
 #: The optional handler method that makes a route's deliveries batches.
 HOOK = "outbox_deliver_batch"

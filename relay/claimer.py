@@ -29,7 +29,7 @@ from typing import Any
 from outbox import signals
 
 from .announce import send
-from .batch import deliver_batch
+from .batch import batch_routes, deliver_batch
 from .claim_position import ClaimPositions, Position
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
@@ -83,6 +83,8 @@ class Claimer:
         # trace (no lease ever expires for it), so the duplicate could not be explained.
         self._conn = LoopConnection(rt.store.engine, settings=HOT_PATH) if rt.store.fast else None
         self._handler_pool = DaemonPool(concurrency + 2)
+        #: Routes whose handler takes a claim's messages at once (``batch.py``), asked once per run.
+        self._batch_routes = batch_routes(rt.routes)
         writer.on_written = self._slots_freed
         writer.deliveries_running = self.inflight.__len__
         writer.min_batch = max(1, batch_size // 2)
@@ -224,7 +226,7 @@ class Claimer:
         batches: dict[str, list[Any]] = {}
         singles = []
         for row in rows:
-            if row.handler in self._rt.batch_routes:
+            if row.handler in self._batch_routes:
                 batches.setdefault(row.handler, []).append(row)
             else:
                 singles.append(row)
@@ -305,7 +307,7 @@ class Claimer:
                 return  # they stay unstarted: the shutdown releases them
             for row in rows:
                 self._unstarted.pop((row.id, row.attempts), None)
-            fn, is_async = rt.batch_routes[name]
+            fn, is_async = self._batch_routes[name]
             await deliver_batch(
                 rt,
                 route,

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 from outbox import Backoff
 from outbox._first_line import first_line
 
-from .batch import batch_routes
 from .dispatch import is_async_handler
 from .settings import RelaySettings
 from .tracing import RelayTracing
@@ -110,8 +109,6 @@ class RunContext:
         #: Routes whose handler is awaited on the loop (the others run in threads); asked once per
         #: run, not per delivery, where inspecting the handler was 3 % of a no-op delivery's CPU.
         self.async_routes = frozenset(r.name for r in routes.values() if is_async_handler(r.handler))
-        #: Routes whose handler takes a claim's messages at once (``batch.py``).
-        self.batch_routes = batch_routes(routes)
         self.redactor = settings.redactor
         self.rng = settings.rng
         self.metrics = settings.metrics
