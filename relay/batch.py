@@ -138,8 +138,9 @@ async def deliver_batch(
                 spans.enter_context(span)
             messages = [to_message(row) for row in calls]
             started, clock = utcnow(), time.monotonic()
+            # A list of its own: what the handler does to it cannot change which outcome is whose.
             returned, raised, timed_out = await call_under(
-                deadline, fn, messages, executor=executor, is_async=is_async
+                deadline, fn, list(messages), executor=executor, is_async=is_async
             )
             # Every outcome is decided before any is handed on: no await from here to the end.
             outcomes = _classified(

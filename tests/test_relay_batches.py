@@ -568,3 +568,18 @@ def test_the_batch_handler_example_of_the_relay_guide_runs_as_written(tmp_path):
     assert run.returncode == 0, run.stderr
     promised = [line[2:] for line in block.group(1).splitlines() if line.startswith("# ")]
     assert run.stdout.splitlines() == promised
+
+
+def test_a_handler_that_empties_the_list_it_was_given_still_has_each_outcome_recorded(engine, slow_ob):
+    class Consumes(AsyncBatches):
+        async def outbox_deliver_batch(self, messages: list[Message]) -> list[Any]:
+            outcomes = self.record(messages)
+            messages.clear()  # the handler's own list to do with as it likes
+            return outcomes
+
+    slow_ob.route("e", Consumes(lambda msg: None if msg.payload["n"] else RetryLater("later")), name="r")
+    emit_n(slow_ob, engine, 3)
+
+    Relay(slow_ob, engine).run_until_idle()
+
+    assert {n: r.status for n, r in rows(engine).items()} == {0: "pending", 1: "delivered", 2: "delivered"}
