@@ -247,6 +247,15 @@ class NatsPublisher:
             client, js, acks = await self._connection()
         except RetryLater as exc:  # nothing sent to anyone
             return [exc if isinstance(o, dict) else o for o in outcomes]
+        except (OSError, nats.errors.Error) as exc:  # the ack subscription could not be made
+            lost = RetryLater(
+                f"NATS connection lost before publishing: {type(exc).__name__}: {self._text(exc)}; "
+                "nothing sent, not counted",
+                delay=RECONNECT_WAIT,
+                counts_as_attempt=False,
+                detail={"reason": "connection"},
+            )
+            return [lost if isinstance(o, dict) else o for o in outcomes]
         if not client.is_connected:
             # Nothing was sent, and the outage says nothing about the messages: not an attempt.
             down = RetryLater(
