@@ -490,17 +490,22 @@ def test_a_subclass_that_wraps_call_alone_keeps_one_call_per_message(engine, slo
         async def outbox_deliver_batch(self, messages: list[Message]) -> list[Any]:
             return self.record(messages)
 
-    wrapped, both = Wrapped(), WrappedBoth()
+    class TurnedOff(WrappedBoth):
+        outbox_deliver_batch = None  # type: ignore[assignment]
+
+    wrapped, both, off = Wrapped(), WrappedBoth(), TurnedOff()
     slow_ob.route("e", wrapped, name="wrapped")
     slow_ob.route("e", both, name="both")
+    slow_ob.route("e", off, name="off")
     emit_n(slow_ob, engine, 3)
 
     with caplog.at_level("INFO", logger="outbox.relay"):
         result = Relay(slow_ob, engine).run_until_idle()
 
-    assert result.delivered == 6
+    assert result.delivered == 9
     assert (sorted(wrapped.wrapped), wrapped.calls) == ([0, 1, 2], [])
     assert (both.wrapped, both.calls) == ([], [[0, 1, 2]])
+    assert (sorted(off.wrapped), off.calls) == ([0, 1, 2], [])
     (skipped,) = [r for r in caplog.records if getattr(r, "action", None) == "batch_skipped"]
     assert skipped.getMessage() == (
         "route wrapped: test_a_subclass_that_wraps_call_alone_keeps_one_call_per_message.<locals>.Wrapped "
