@@ -26,6 +26,11 @@ authorization, a fatal producer error      fatal error also replaces the produce
 no report within ``delivery_timeout``      retried, never a hang
 =========================================  =====================================================
 
+The relay hands the publisher a claim's messages at once
+(``outbox_deliver_batch``): all of them are produced first, so librdkafka
+batches them on the wire, and their delivery reports are awaited together,
+under one ``delivery_timeout``. Each report decides its own message's outcome.
+
 An unknown topic and a refused authorization are retried, not dead: both are
 fixed on the cluster (create the topic, grant the ACL), often by a deploy that
 has not finished yet, and the message is still good. ``max_attempts`` bounds
@@ -39,12 +44,11 @@ import functools
 import logging
 import math
 import threading
-import time
 import weakref
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater
 from outbox._redact import Redactor
@@ -57,17 +61,15 @@ from ._kafka_config import (
     secret_values,
     validate_with_librdkafka,
 )
+from ._kafka_session import Report, Session
 
 __all__ = ["KafkaPublisher"]
 
 log = logging.getLogger("outbox.integrations.kafka")
-_librdkafka_log = logging.getLogger("outbox.integrations.kafka.librdkafka")
 
 #: The wait for a delivery report beyond ``delivery_timeout``: librdkafka fails a message itself
 #: at ``message.timeout.ms`` (set to ``delivery_timeout``); this only catches a report that never comes.
 REPORT_GRACE = 2.0
-#: librdkafka's errors (other than a fatal one) are logged at most this often per kind.
-ERROR_LOG_INTERVAL = 60.0
 
 # Errors about the message itself: sending the same bytes to the same topic again cannot succeed.
 _PERMANENT = frozenset(
@@ -116,115 +118,6 @@ _TOPIC_STATE = frozenset(
 )
 
 
-class _Logger:
-    """What confluent-kafka's ``logger`` needs (a ``log`` method), masking secrets on the way."""
-
-    def __init__(self, redactor: Redactor) -> None:
-        self._redactor = redactor
-
-    def log(self, level: int, fmt: str, *args: Any) -> None:
-        if _librdkafka_log.isEnabledFor(level):
-            try:
-                text = fmt % args if args else str(fmt)
-            except (TypeError, ValueError):
-                text = " ".join(map(str, (fmt, *args)))
-            _librdkafka_log.log(level, "%s", self._redactor.text(text))
-
-
-class _Session:
-    """One producer and the one thread that serves its delivery reports, for one relay (event loop).
-
-    ``poll()`` blocks, so it runs on a thread of its own; each report settles
-    its message's future on the loop that produced it, thread-safely.
-    """
-
-    def __init__(self, config: dict[str, Any], redactor: Redactor) -> None:
-        self.fatal: KafkaError | None = None
-        self._redactor = redactor
-        self._logged: dict[int, float] = {}
-        self._refreshing: dict[str, threading.Thread] = {}
-        self._refresh_lock = threading.Lock()
-        self.producer = Producer({**config, "error_cb": self._on_error, "logger": _Logger(redactor)})
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="outbox-kafka-reports", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.producer.poll(0.1)  # returns at once when a report is ready
-            except KafkaException as exc:  # how confluent-kafka raises a fatal error
-                if exc.args and isinstance(exc.args[0], KafkaError):
-                    self._on_error(exc.args[0])
-            except Exception:  # never let the thread end: every waiting attempt would time out
-                log.exception("Kafka delivery report handling failed")
-
-    def _on_error(self, err: KafkaError) -> None:
-        """Client-level errors (brokers down, authentication); each message's fate is in its own report."""
-        text = self._redactor.text(err.str())
-        if err.fatal():
-            self.fatal = err  # the idempotent producer cannot go on: the next message gets a new one
-            log.error("Kafka producer failed fatally (%s): %s; it will be replaced", err.name(), text)
-            return
-        now = time.monotonic()
-        if now - self._logged.get(err.code(), -math.inf) >= ERROR_LOG_INTERVAL:
-            self._logged[err.code()] = now
-            log.warning("Kafka client error %s: %s", err.name(), text)
-
-    def refresh(self, topic: str) -> None:
-        """Fetch ``topic``'s metadata in the background, so the next attempt sees the cluster as it is now."""
-        with self._refresh_lock:
-            if topic in self._refreshing or self._stop.is_set():
-                return
-            thread = self._refreshing[topic] = threading.Thread(
-                target=self._refresh, args=(topic,), name="outbox-kafka-metadata", daemon=True
-            )
-        thread.start()
-
-    def _refresh(self, topic: str) -> None:
-        try:
-            self.producer.list_topics(topic, timeout=5)
-        except Exception as exc:  # the cluster is away: the next attempt's own error tells
-            log.debug("Kafka metadata refresh for %s failed: %s", topic, self._redactor.text(str(exc)))
-        finally:
-            with self._refresh_lock:
-                self._refreshing.pop(topic, None)
-
-    def close(self, timeout: float) -> int:
-        """Stop the report thread, wait up to ``timeout`` for what is in flight; how many were left."""
-        self._stop.set()
-        self._thread.join()
-        with self._refresh_lock:
-            refreshing = list(self._refreshing.values())
-        for thread in refreshing:  # the producer must outlive their requests
-            thread.join()
-        left = self.producer.flush(timeout)
-        if left:
-            self.producer.purge()  # their attempts have already timed out and will be retried
-            self.producer.poll(0)
-        self.producer.close()
-        return left
-
-
-def _report(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future[tuple[KafkaError | None, int, int]],
-    err: KafkaError | None,
-    msg: Any,
-) -> None:
-    """The delivery callback, on the report thread: hand the outcome to the waiting coroutine."""
-    outcome = (err, msg.partition(), msg.offset())
-
-    def settle() -> None:
-        if not future.done():  # the attempt may have timed out or been cancelled meanwhile
-            future.set_result(outcome)
-
-    try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        pass
-
-
 class KafkaPublisher:
     """Produce each message to the topic ``topic`` names, and return once Kafka has acknowledged it.
 
@@ -270,7 +163,7 @@ class KafkaPublisher:
         self._config = producer_config(config, self.delivery_timeout)
         self._redactor = Redactor(self.outbox_secrets())
         validate_with_librdkafka(self._config, self._redactor)
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Session] = (
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Session] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
@@ -296,7 +189,7 @@ class KafkaPublisher:
             await self._close(session)
         await asyncio.gather(*replaced)  # producers replaced after a fatal error, still closing
 
-    async def _close(self, session: _Session) -> None:
+    async def _close(self, session: Session) -> None:
         left = await asyncio.to_thread(session.close, self.delivery_timeout)
         if left:
             log.warning(
@@ -305,7 +198,7 @@ class KafkaPublisher:
 
     # -- delivery -----------------------------------------------------------------------
 
-    def _session(self) -> _Session:
+    def _session(self) -> Session:
         loop = asyncio.get_running_loop()
         with self._lock:
             session = self._sessions.get(loop)
@@ -315,7 +208,7 @@ class KafkaPublisher:
                 task = loop.create_task(self._close(session))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            session = self._sessions[loop] = _Session(self._config, self._redactor)
+            session = self._sessions[loop] = Session(self._config, self._redactor, loop)
             return session
 
     def _topic_of(self, message: Message) -> str:
@@ -328,60 +221,101 @@ class KafkaPublisher:
         return topic
 
     async def __call__(self, message: Message) -> dict[str, Any]:
-        topic = self._topic_of(message)
-        env = envelope(message, source=self.source)
+        """Produce one message and wait for its delivery report: the batch path with a batch of one."""
+        (outcome,) = await self._produce_all([message])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        """Produce every message, then wait for all their delivery reports together.
+
+        One outcome per message, in order: topic, partition and offset once
+        Kafka acknowledged it, else the exception its attempt ends with (see
+        the module's table). ``delivery_timeout`` bounds the whole batch's wait.
+        """
+        return await self._produce_all(messages)
+
+    async def _produce_all(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        outcomes: list[dict[str, Any] | Exception] = []
+        waiting: list[tuple[int, str, asyncio.Future[Report]]] = []
         session = self._session()
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[KafkaError | None, int, int]] = loop.create_future()
+        for index, message in enumerate(messages):
+            try:
+                topic = self._topic_of(message)
+            except PermanentError as exc:
+                outcomes.append(exc)
+                continue
+            env = envelope(message, source=self.source)
+            future: asyncio.Future[Report] = loop.create_future()
+            try:
+                session.producer.produce(
+                    topic,
+                    value=env.body,
+                    key=None if env.key is None else env.key.encode(),
+                    headers=[(name, value.encode()) for name, value in env.headers.items()],
+                    on_delivery=functools.partial(session.report, future),
+                )
+            except BufferError:
+                outcomes.append(
+                    RetryLater(
+                        "the Kafka producer's local queue is full; not counted",
+                        delay=UNAVAILABLE_RETRY,
+                        counts_as_attempt=False,
+                        detail={"reason": "queue_full", "topic": topic},
+                    )
+                )
+                continue
+            except KafkaException as exc:
+                outcomes.append(self._refusal(exc.args[0], topic, session))
+                continue
+            outcomes.append({"topic": topic})
+            waiting.append((index, topic, future))
+        if not waiting:
+            return outcomes
         try:
-            session.producer.produce(
-                topic,
-                value=env.body,
-                key=None if env.key is None else env.key.encode(),
-                headers=[(name, value.encode()) for name, value in env.headers.items()],
-                on_delivery=functools.partial(_report, loop, future),
+            await asyncio.wait(
+                [future for *_, future in waiting], timeout=self.delivery_timeout + REPORT_GRACE
             )
-        except BufferError:
-            raise RetryLater(
-                "the Kafka producer's local queue is full; not counted",
-                delay=UNAVAILABLE_RETRY,
-                counts_as_attempt=False,
-                detail={"reason": "queue_full", "topic": topic},
-            ) from None
-        except KafkaException as exc:
-            self._refused(exc.args[0], topic, session)
-        try:
-            async with asyncio.timeout(self.delivery_timeout + REPORT_GRACE):
-                err, partition, offset = await future
-        except TimeoutError:
-            raise RetryLater(
-                f"no delivery report from Kafka within {self.delivery_timeout:g}s "
-                "(brokers unreachable or not taking writes); not counted",
-                delay=UNAVAILABLE_RETRY,
-                counts_as_attempt=False,
-                detail={"reason": "timeout", "topic": topic},
-            ) from None
-        if err is not None:
-            self._refused(err, topic, session)
-        return {"topic": topic, "partition": partition, "offset": offset}
+        finally:  # reports that never came, or this call cancelled: nobody waits for them any more
+            for *_, future in waiting:
+                future.cancel()
+        for index, topic, future in waiting:
+            if future.cancelled():
+                outcomes[index] = RetryLater(
+                    f"no delivery report from Kafka within {self.delivery_timeout:g}s "
+                    "(brokers unreachable or not taking writes); not counted",
+                    delay=UNAVAILABLE_RETRY,
+                    counts_as_attempt=False,
+                    detail={"reason": "timeout", "topic": topic},
+                )
+                continue
+            err, partition, offset = future.result()
+            if err is None:
+                outcomes[index] = {"topic": topic, "partition": partition, "offset": offset}
+            else:
+                outcomes[index] = self._refusal(err, topic, session)
+        return outcomes
 
-    def _refused(self, err: object, topic: str, session: _Session) -> NoReturn:
+    def _refusal(self, err: object, topic: str, session: Session) -> Exception:
+        """What one message's attempt ends with, given the error its produce or its report gave."""
         if not isinstance(err, KafkaError):
-            raise RetryLater(f"Kafka producer error: {err}", detail={"topic": topic})
+            return RetryLater(f"Kafka producer error: {err}", detail={"topic": topic})
         detail = {"topic": topic, "error": err.name()}
         text = f"Kafka did not take the message for {topic}: {err.name()}: {err.str()}"
         if err.fatal() or err.code() == KafkaError._FATAL or session.fatal is not None:
             session.fatal = session.fatal or err
-            raise RetryLater(text, detail={**detail, "reason": "fatal"})
+            return RetryLater(text, detail={**detail, "reason": "fatal"})
         if err.code() in _PERMANENT:
-            raise PermanentError(text, detail=detail)
+            return PermanentError(text, detail=detail)
         if err.code() in _TOPIC_STATE:
             session.refresh(topic)
         if err.code() in UNAVAILABLE:
-            raise RetryLater(
+            return RetryLater(
                 f"{text}; not counted",
                 delay=UNAVAILABLE_RETRY,
                 counts_as_attempt=False,
                 detail={**detail, "reason": "unavailable"},
             )
-        raise RetryLater(text, detail=detail)
+        return RetryLater(text, detail=detail)

@@ -31,6 +31,13 @@ stream mismatch, message too large)
 other JetStream errors (503, limits)   retried
 =====================================  ==============================================================
 
+The relay hands the publisher a claim's messages at once
+(``outbox_deliver_batch``): each is published with a reply subject of its own
+under one subscription (``_nats_acks.py``), and their acks are awaited
+together under one ``publish_timeout``, instead of one request, timer and wait
+per message. Each ack, or its absence, decides its own message's outcome, as
+in the table (``_nats_answers.py``).
+
 Before the relay claims anything, ``outbox_start`` compares the stream's
 ``duplicate_window`` with the route's longest retry gap (see
 ``outbox.relay.hooks``): a retry that comes later than the window is stored
@@ -53,12 +60,15 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
-from ._envelope import RoutingTemplate, envelope
+from ._envelope import Envelope, RoutingTemplate, envelope
+from ._nats_acks import AckInbox, read_ack
+from ._nats_answers import RECONNECT_WAIT, Answers, with_base
 from ._nats_window import WindowCheck, check_window
 from ._per_loop import PerLoop
 
@@ -68,18 +78,6 @@ log = logging.getLogger("outbox.integrations.nats")
 
 #: How long a route whose window check failed under ``on_short_window="refuse"`` waits between tries.
 BLOCKED_RETRY = 60.0
-#: Seconds between reconnection attempts, and before a delivery that found the connection down is retried.
-RECONNECT_WAIT = 1.0
-#: The connection is down or going down: a publish that fails with these says nothing about the message.
-_CONNECTION_ERRORS: tuple[type[Exception], ...] = (
-    OSError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.ConnectionDrainingError,
-    nats.errors.NoServersError,
-    nats.errors.StaleConnectionError,
-    nats.errors.OutboundBufferLimitError,
-)
 _SCHEMES = ("nats", "tls", "ws", "wss")
 _RESERVED_OPTIONS = frozenset(
     {"servers", "allow_reconnect", "max_reconnect_attempts", "error_cb", "disconnected_cb", "reconnected_cb"}
@@ -110,6 +108,7 @@ class _Link:
 
     client: Client | None = None
     js: JetStreamContext | None = None
+    acks: AckInbox | None = None  # the client's reply subscription for acks
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one connect at a time
     check_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one deferred window check
 
@@ -169,6 +168,7 @@ class NatsPublisher:
             raise ConfigurationError(f"connect_options may not set {', '.join(reserved)}: NatsPublisher does")
         self._options = options
         self._redactor = Redactor(self.outbox_secrets())
+        self._answers = Answers(self.publish_timeout, self.stream, self._text)
         self._links: PerLoop[_Link] = PerLoop(_Link)
         self._deferred: dict[str, WindowCheck] = {}  # window checks NATS was not reachable for at start
         self._blocked: dict[str, str] = {}  # route -> why it may not publish ("refuse", found late)
@@ -219,118 +219,125 @@ class NatsPublisher:
     # -- delivery -----------------------------------------------------------------------
 
     async def __call__(self, message: Message) -> dict[str, Any]:
-        subject = self._subject.render(message)
-        if _BAD_SUBJECT.search(subject):
-            raise PermanentError(f"NATS subject {subject!r} is not valid", detail={"reason": "bad_subject"})
-        env = envelope(message, source=self.source)
-        if self._deferred:
-            await self._deferred_check(message.handler)
-        blocked = self._blocked.get(message.handler)
-        if blocked is not None:
-            raise RetryLater(
-                blocked, delay=BLOCKED_RETRY, counts_as_attempt=False, detail={"reason": "window_short"}
+        """Publish one message and wait for its ack: the batch path with a batch of one."""
+        (outcome,) = await self._publish_all([message])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        """Publish every message at once, then wait for their JetStream acks together.
+
+        One outcome per message, in order: its detail once JetStream acked it,
+        else the exception its attempt ends with (see the module's table).
+        ``publish_timeout`` bounds the wait for the whole batch's acks.
+        """
+        return await self._publish_all(messages)
+
+    async def _publish_all(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        outcomes: list[dict[str, Any] | Exception] = []
+        ready: list[tuple[int, str, Envelope]] = []
+        for route in dict.fromkeys(message.handler for message in messages) if self._deferred else ():
+            await self._deferred_check(route)
+        for index, message in enumerate(messages):
+            try:
+                subject, env = self._prepare(message)
+            except (PermanentError, RetryLater) as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append({})
+            ready.append((index, subject, env))
+        if not ready:
+            return outcomes
+        try:
+            client, js, acks = await self._connection()
+        except RetryLater as exc:  # nothing sent to anyone
+            return [exc if isinstance(o, dict) else o for o in outcomes]
+        except (OSError, nats.errors.Error) as exc:  # the ack subscription could not be made
+            lost = RetryLater(
+                f"NATS connection lost before publishing: {type(exc).__name__}: {self._text(exc)}; "
+                "nothing sent, not counted",
+                delay=RECONNECT_WAIT,
+                counts_as_attempt=False,
+                detail={"reason": "connection"},
             )
-        client, js = await self._connection()
+            return [lost if isinstance(o, dict) else o for o in outcomes]
         if not client.is_connected:
-            # Nothing was sent, and the outage says nothing about the message: not an attempt.
-            raise RetryLater(
+            # Nothing was sent, and the outage says nothing about the messages: not an attempt.
+            down = RetryLater(
                 "NATS connection is down (reconnecting); nothing sent",
                 delay=RECONNECT_WAIT,
                 counts_as_attempt=False,
                 detail={"reason": "disconnected"},
             )
-        headers = {**env.headers, "Nats-Msg-Id": env.dedupe_id}
-        base = {"subject": subject, "msg_id": env.dedupe_id}
-        try:
-            # The request's own timeout bounds the wait for the ack (no second timer per message).
-            ack = await js.publish(
-                subject, env.body, timeout=self.publish_timeout, stream=self.stream, headers=headers
-            )
-        except nats.js.errors.NoStreamResponseError:
-            raise await self._no_stream(js, subject, base) from None
-        except TimeoutError:
-            if not client.is_connected:  # the connection went down meanwhile: nothing known of the message
-                raise RetryLater(
-                    f"no JetStream ack for {subject!r}: the connection went down; not counted",
-                    delay=RECONNECT_WAIT,
-                    counts_as_attempt=False,
-                    detail={**base, "reason": "disconnected"},
-                ) from None
-            raise RetryLater(
-                f"no JetStream ack for {subject!r} within {self.publish_timeout:g}s",
-                detail={**base, "reason": "ack_timeout"},
-            ) from None
-        except nats.js.errors.APIError as exc:
-            detail = {**base, "code": exc.code, "err_code": exc.err_code}
-            if exc.code == 400:
-                raise PermanentError(
-                    f"JetStream refused {subject!r}: {exc.description}", detail=detail
-                ) from None
-            raise RetryLater(f"JetStream error for {subject!r}: {exc.description}", detail=detail) from None
-        except nats.errors.MaxPayloadError:
-            raise PermanentError(
-                f"message is larger than the server's max_payload ({client.max_payload} bytes)",
-                detail={**base, "reason": "too_large"},
-            ) from None
-        except _CONNECTION_ERRORS as exc:
-            raise RetryLater(
-                f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}; not counted",
-                delay=RECONNECT_WAIT,
-                counts_as_attempt=False,
-                detail={**base, "reason": "connection"},
-            ) from None
-        except nats.errors.Error as exc:
-            raise RetryLater(
-                f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}",
-                detail={**base, "reason": "error"},
-            ) from None
-        return {**base, "stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
+            return [down if isinstance(o, dict) else o for o in outcomes]
+        waiting: list[tuple[int, str, str, str, asyncio.Future[Msg]]] = []
+        for index, subject, env in ready:
+            headers = {**env.headers, "Nats-Msg-Id": env.dedupe_id}
+            if self.stream is not None:
+                headers["Nats-Expected-Stream"] = self.stream
+            reply, future = acks.expect()
+            try:
+                await client.publish(subject, env.body, reply=reply, headers=headers)
+            except Exception as exc:
+                acks.forget(reply)
+                outcomes[index] = self._answers.refusal(exc, client, subject, env.dedupe_id)
+                continue
+            waiting.append((index, subject, env.dedupe_id, reply, future))
+        if waiting:
+            try:
+                await asyncio.wait([future for *_, future in waiting], timeout=self.publish_timeout)
+            finally:  # acked, timed out, or this call cancelled: no future is left waiting
+                for *_, reply, future in waiting:
+                    acks.forget(reply)
+                    future.cancel()
+        no_stream: dict[str, Exception] = {}
+        for index, subject, dedupe_id, _, future in waiting:
+            base = {"subject": subject, "msg_id": dedupe_id}
+            try:
+                if future.cancelled():
+                    raise TimeoutError
+                ack = read_ack(future.result())
+            except nats.js.errors.NoStreamResponseError:
+                if subject not in no_stream:  # asked once per subject and batch
+                    no_stream[subject] = await self._answers.no_stream(js, subject)
+                outcomes[index] = with_base(no_stream[subject], base)
+            except Exception as exc:
+                outcomes[index] = self._answers.refusal(exc, client, subject, dedupe_id)
+            else:
+                outcomes[index] = {**base, "stream": ack.stream, "seq": ack.seq, "duplicate": ack.duplicate}
+        return outcomes
 
-    async def _no_stream(self, js: JetStreamContext, subject: str, base: dict[str, Any]) -> Exception:
-        """No responder: no stream captures the subject (dead), or JetStream is not up yet (retried).
-
-        A server that has just restarted accepts connections before it has
-        recovered its streams; asking the JetStream API tells the two apart.
-        """
-        try:
-            found = await js.find_stream_name_by_subject(subject)
-        except nats.js.errors.NotFoundError:
-            wanted = f" in stream {self.stream!r}" if self.stream else ""
-            return PermanentError(
-                f"no JetStream stream captures subject {subject!r}{wanted}: create or extend the "
-                "stream, then requeue the dead messages",
-                detail={**base, "reason": "no_stream"},
+    def _prepare(self, message: Message) -> tuple[str, Envelope]:
+        """The subject and envelope of a message this route may publish now; what refuses it, raised."""
+        subject = self._subject.render(message)
+        if _BAD_SUBJECT.search(subject):
+            raise PermanentError(f"NATS subject {subject!r} is not valid", detail={"reason": "bad_subject"})
+        env = envelope(message, source=self.source)
+        blocked = self._blocked.get(message.handler)
+        if blocked is not None:
+            raise RetryLater(
+                blocked, delay=BLOCKED_RETRY, counts_as_attempt=False, detail={"reason": "window_short"}
             )
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
-            return RetryLater(
-                f"JetStream did not answer for {subject!r} ({type(exc).__name__}); not available yet? "
-                "not counted",
-                delay=RECONNECT_WAIT,
-                counts_as_attempt=False,
-                detail={**base, "reason": "jetstream_unavailable"},
-            )
-        return RetryLater(
-            f"stream {found!r} captures {subject!r} but did not answer the publish; recovering? not counted",
-            delay=RECONNECT_WAIT,
-            counts_as_attempt=False,
-            detail={**base, "reason": "jetstream_unavailable"},
-        )
+        return subject, env
 
     # -- connection ---------------------------------------------------------------------
 
     def _link(self) -> _Link:
         return self._links.get()
 
-    async def _connection(self) -> tuple[Client, JetStreamContext]:
+    async def _connection(self) -> tuple[Client, JetStreamContext, AckInbox]:
         """The loop's connection, opened on first use (and again if nats-py ever closed it)."""
         link = self._link()
-        if link.client is None or link.js is None or link.client.is_closed:
+        if link.client is None or link.js is None or link.acks is None or link.client.is_closed:
             async with link.lock:
-                if link.client is None or link.js is None or link.client.is_closed:
-                    link.client = await self._connect()
-                    link.js = link.client.jetstream(timeout=self.publish_timeout)
-        assert link.client is not None and link.js is not None
-        return link.client, link.js
+                if link.client is None or link.js is None or link.acks is None or link.client.is_closed:
+                    client = await self._connect()
+                    link.client, link.acks = client, AckInbox(client)
+                    link.js = client.jetstream(timeout=self.publish_timeout)
+        assert link.client is not None and link.js is not None and link.acks is not None
+        await link.acks.ready()
+        return link.client, link.js, link.acks
 
     async def _connect(self) -> Client:
         client = Client()
@@ -399,7 +406,7 @@ class NatsPublisher:
     async def _check_window(self, check: WindowCheck, *, at_start: bool) -> None:
         if check.gap <= 0:  # max_attempts=1: the relay never retries, only a requeue does
             return
-        _, js = await self._connection()
+        _, js, _ = await self._connection()
         short = await check_window(js, check, stream=self.stream, subject=self.subject)
         if short is None:
             return

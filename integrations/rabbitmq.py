@@ -30,24 +30,31 @@ exchange missing (not declared)         retried, the reason recorded
 A deferral that is not counted says nothing about the message: a broker
 outage of any length uses up no attempts. Such deferrals wait longer as the
 outage goes on (a second at first, then a quarter of the time the broker has
-been away, at most ``_OUTAGE_RETRY_CAP`` seconds), so a long outage does not
-turn into a storm of claims and history rows.
+been away, at most ``OUTAGE_RETRY_CAP`` seconds, ``_rabbitmq_link.py``), so
+a long outage does not turn into a storm of claims and history rows.
+
+The relay hands the publisher a claim's messages at once
+(``outbox_deliver_batch``): all of them go out on the channel together and
+their confirms are awaited together, under one ``publish_timeout``. Each
+message's confirm, return or nack decides its own outcome alone, as in the
+table; a lost connection defers the messages it left unconfirmed.
 
 Returns are matched to publishes by AMQP ``message_id`` (the client's rule), and
 one event published by several routes shares its ``message_id`` (the
 ``ce-id``): two publishes with the same id are never in flight at once on one
-channel, so a return always reaches the publish it belongs to.
+channel (a second one waits for the first, even within a batch), so a return
+always reaches the publish it belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
+from aio_pika.abc import AbstractConnection, AbstractExchange
 from aiormq.exceptions import DeliveryError, PublishError
 from yarl import URL
 
@@ -55,6 +62,7 @@ from outbox import ConfigurationError, Message, PermanentError, RetryLater
 
 from ._envelope import RoutingTemplate, envelope
 from ._per_loop import PerLoop
+from ._rabbitmq_link import Link, close_quietly
 
 __all__ = ["RabbitMQPublisher"]
 
@@ -62,9 +70,6 @@ ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
 _KINDS: tuple[str, ...] = ("direct", "topic", "fanout", "headers")
 _CONNECT_TIMEOUT = 10.0
 _CLOSE_TIMEOUT = 5.0
-#: Deferrals during an outage: the first after a second, later ones a quarter of its length so far.
-_OUTAGE_RETRY_MIN = 1.0
-_OUTAGE_RETRY_CAP = 30.0
 _UNROUTABLE = ("dead", "retry")
 
 
@@ -92,58 +97,6 @@ def _positive(what: str, value: object) -> float:
     ):
         raise ConfigurationError(f"{what} must be a positive number of seconds, got {value!r}")
     return float(value)
-
-
-class _Link:
-    """The connection, channel and exchange one event loop publishes through, opened on first use."""
-
-    def __init__(self, close_timeout: float) -> None:
-        self.close_timeout = close_timeout
-        self.lock = asyncio.Lock()
-        self.connection: AbstractConnection | None = None
-        self.channel: AbstractChannel | None = None
-        self.exchange: AbstractExchange | None = None
-        #: loop time the broker was first found unreachable in the current outage (None: reachable)
-        self.down_since: float | None = None
-        #: publishes in flight by AMQP message_id: the client matches a return to its publish by it
-        self.publishing: dict[str, asyncio.Future[None]] = {}
-
-    def outage_delay(self) -> float:
-        """How long a message deferred by this outage waits: longer as the outage goes on."""
-        now = asyncio.get_running_loop().time()
-        if self.down_since is None:
-            self.down_since = now
-        return min(_OUTAGE_RETRY_CAP, max(_OUTAGE_RETRY_MIN, (now - self.down_since) / 4))
-
-    async def one_at_a_time(self, message_id: str) -> asyncio.Future[None]:
-        """Wait until no publish with ``message_id`` is in flight, then claim the id; resolve the result."""
-        while (earlier := self.publishing.get(message_id)) is not None and not earlier.done():
-            await asyncio.shield(earlier)
-        self.publishing[message_id] = done = asyncio.get_running_loop().create_future()
-
-        def forget(finished: asyncio.Future[None]) -> None:
-            if self.publishing.get(message_id) is finished:
-                del self.publishing[message_id]
-
-        done.add_done_callback(forget)
-        return done
-
-    def usable(self) -> bool:
-        return (
-            self.connection is not None
-            and not self.connection.is_closed
-            and self.channel is not None
-            and not self.channel.is_closed
-            and self.exchange is not None
-        )
-
-    async def drop(self, connection: AbstractConnection | None = None) -> None:
-        """Forget the connection (only ``connection``, if given: a newer one may already be in use)."""
-        if connection is not None and connection is not self.connection:
-            return
-        old, self.connection, self.channel, self.exchange = self.connection, None, None, None
-        if old is not None:
-            await _close_quietly(old, self.close_timeout)
 
 
 class RabbitMQPublisher:
@@ -206,7 +159,7 @@ class RabbitMQPublisher:
         if on_unroutable not in _UNROUTABLE:
             raise ConfigurationError(f"on_unroutable must be 'dead' or 'retry', got {on_unroutable!r}")
         self.on_unroutable = on_unroutable
-        self._links: PerLoop[_Link] = PerLoop(lambda: _Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
+        self._links: PerLoop[Link] = PerLoop(lambda: Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
 
     @property
     def url(self) -> str:
@@ -241,6 +194,65 @@ class RabbitMQPublisher:
     # -- delivery -----------------------------------------------------------------------
 
     async def __call__(self, message: Message) -> dict[str, Any]:
+        """Publish one message and wait for its confirm: the batch path with a batch of one."""
+        (outcome,) = await self._publish_all([message])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        """Publish every message on the channel at once, then wait for their confirms together.
+
+        One outcome per message, in order: its detail once the broker confirmed
+        it, else the exception its attempt ends with (see the module's table).
+        ``publish_timeout`` bounds connecting plus the wait for the whole batch.
+        """
+        return await self._publish_all(messages)
+
+    async def _publish_all(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        outcomes: list[dict[str, Any] | Exception] = []
+        ready: list[tuple[int, _Publish]] = []
+        for index, message in enumerate(messages):
+            try:
+                publish = self._prepare(message)
+            except PermanentError as exc:  # a routing template this message cannot fill
+                outcomes.append(exc)
+                continue
+            outcomes.append(publish.detail)
+            ready.append((index, publish))
+        if not ready:
+            return outcomes
+        link = self._link()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.publish_timeout
+        connection: AbstractConnection | None = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                exchange, connection = await self._open(link)
+        except Exception as exc:
+            if _connection_lost(exc):
+                await link.drop(connection)
+            for index, publish in ready:
+                outcomes[index] = self._refusal(exc, link, publish)
+            return outcomes
+        tasks = [asyncio.ensure_future(self._confirmed(link, exchange, publish)) for _, publish in ready]
+        try:
+            _, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+        finally:  # the route's timeout or a stop cancels this call: no publish is left behind
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failures = [TimeoutError() if t in late or t.cancelled() else t.exception() for t in tasks]
+        if any(_connection_lost(failure) for failure in failures):
+            await link.drop(connection)  # once: the next call reconnects
+        elif None in failures:
+            link.down_since = None
+        for (index, publish), failure in zip(ready, failures, strict=True):
+            if failure is not None:
+                outcomes[index] = self._refusal(failure, link, publish)
+        return outcomes
+
+    def _prepare(self, message: Message) -> _Publish:
         routing_key = self.routing_key.render(message)
         env = envelope(message, source=self.source)
         amqp = aio_pika.Message(
@@ -253,17 +265,22 @@ class RabbitMQPublisher:
             correlation_id=None if self.correlation_id is None else self.correlation_id.render(message),
             type=message.event_type,
         )
-        detail: dict[str, Any] = {"exchange": self.exchange, "routing_key": routing_key}
-        link = self._link()
-        connection: AbstractConnection | None = None
-        turn: asyncio.Future[None] | None = None
+        return _Publish(amqp, routing_key, env.id, {"exchange": self.exchange, "routing_key": routing_key})
+
+    @staticmethod
+    async def _confirmed(link: Link, exchange: AbstractExchange, publish: _Publish) -> None:
+        """Publish once no other publish with the same AMQP message_id is in flight; wait for the confirm."""
+        turn = await link.one_at_a_time(publish.message_id)
         try:
-            async with asyncio.timeout(self.publish_timeout):
-                exchange, connection = await self._open(link)
-                turn = await link.one_at_a_time(env.id)
-                await exchange.publish(amqp, routing_key, mandatory=True)
-            link.down_since = None
-        except PublishError as exc:
+            await exchange.publish(publish.amqp, publish.routing_key, mandatory=True)
+        finally:
+            if not turn.done():
+                turn.set_result(None)
+
+    def _refusal(self, exc: BaseException, link: Link, publish: _Publish) -> Exception:
+        """What one message's attempt ends with, given what its connect or publish raised."""
+        detail, routing_key = publish.detail, publish.routing_key
+        if isinstance(exc, PublishError):
             reply = None if exc.message is None else exc.message.delivery
             code, text = getattr(reply, "reply_code", None), getattr(reply, "reply_text", None)
             why = (
@@ -272,42 +289,39 @@ class RabbitMQPublisher:
             )
             facts = {**detail, "reason": "unroutable", "reply_code": code, "reply_text": text}
             if self.on_unroutable == "retry":
-                raise RetryLater(why, detail=facts) from None
-            raise PermanentError(why, detail=facts) from None
-        except DeliveryError as exc:
-            raise RetryLater(
+                return RetryLater(why, detail=facts)
+            return PermanentError(why, detail=facts)
+        if isinstance(exc, DeliveryError):
+            return RetryLater(
                 f"the broker refused the message ({exc.frame.name}): a queue bound to {self.exchange!r} "
                 "is full and rejects publishes, or the broker failed to store it",
                 detail={**detail, "reason": "nacked"},
-            ) from None
-        except TimeoutError:
-            raise RetryLater(
+            )
+        if isinstance(exc, TimeoutError):
+            return RetryLater(
                 f"no confirm from {self.url} within {self.publish_timeout:g}s "
                 "(broker blocked, e.g. a memory or disk alarm, or unreachable); not counted",
                 delay=link.outage_delay(),
                 counts_as_attempt=False,
                 detail={**detail, "reason": "timeout"},
-            ) from None
-        except _ExchangeMissing as exc:
-            raise RetryLater(str(exc), detail={**detail, "reason": "exchange_missing"}) from None
-        except (aiormq.exceptions.AMQPError, ConnectionError, OSError, RuntimeError) as exc:
-            # RuntimeError: aiormq's ChannelInvalidStateError when the channel closed under us.
-            await link.drop(connection)
-            raise RetryLater(
+            )
+        if isinstance(exc, _ExchangeMissing):
+            return RetryLater(str(exc), detail={**detail, "reason": "exchange_missing"})
+        if _connection_lost(exc):  # the caller dropped the connection
+            return RetryLater(
                 f"RabbitMQ at {self.url}: {type(exc).__name__}: {self._scrub(str(exc))}; not counted",
                 delay=link.outage_delay(),
                 counts_as_attempt=False,
                 detail={**detail, "reason": "connection"},
-            ) from None
-        finally:
-            if turn is not None and not turn.done():
-                turn.set_result(None)
-        return detail
+            )
+        if isinstance(exc, Exception):
+            return exc  # not the broker's answer: the relay records it as the handler's failure
+        raise exc  # SystemExit and the like: what this call must not swallow
 
-    def _link(self) -> _Link:
+    def _link(self) -> Link:
         return self._links.get()
 
-    async def _open(self, link: _Link) -> tuple[AbstractExchange, AbstractConnection]:
+    async def _open(self, link: Link) -> tuple[AbstractExchange, AbstractConnection]:
         """The loop's exchange handle, connecting first if there is none or the old one is closed."""
         if not link.usable():
             async with link.lock:
@@ -317,7 +331,7 @@ class RabbitMQPublisher:
         assert link.exchange is not None and link.connection is not None
         return link.exchange, link.connection
 
-    async def _connect(self, link: _Link) -> None:
+    async def _connect(self, link: Link) -> None:
         connection = await aio_pika.connect(
             self._raw_url,
             timeout=min(self.publish_timeout, _CONNECT_TIMEOUT),
@@ -342,7 +356,7 @@ class RabbitMQPublisher:
             else:
                 exchange = channel.default_exchange
         except BaseException:
-            await _close_quietly(connection, link.close_timeout)
+            await close_quietly(connection, link.close_timeout)
             raise
         link.connection, link.channel, link.exchange = connection, channel, exchange
 
@@ -351,12 +365,22 @@ class _ExchangeMissing(Exception):
     pass
 
 
-async def _close_quietly(connection: AbstractConnection, timeout: float) -> None:
-    """Close, waiting no longer than ``timeout``: a blocked broker may never answer the close."""
-    if connection.is_closed:
-        return
-    try:
-        async with asyncio.timeout(timeout):
-            await connection.close()
-    except Exception:  # gone or blocked: nothing more to release
-        pass
+def _connection_lost(exc: BaseException | None) -> bool:
+    """The connection or channel is gone: nothing is known of the message, and the next call reconnects.
+
+    RuntimeError is aiormq's ChannelInvalidStateError when the channel closed
+    under a publish. The broker's own answers (a return, a nack) are AMQP
+    errors too, and a timeout is an OSError: those say something else.
+    """
+    return isinstance(
+        exc, aiormq.exceptions.AMQPError | ConnectionError | OSError | RuntimeError
+    ) and not isinstance(exc, DeliveryError | TimeoutError)
+
+
+class _Publish(NamedTuple):
+    """One message made ready to publish: what goes on the wire, and the detail its attempt records."""
+
+    amqp: aio_pika.Message
+    routing_key: str
+    message_id: str  # the AMQP message_id (the ce-id), by which the client matches a return
+    detail: dict[str, Any]
