@@ -181,6 +181,7 @@ async def attempt(
     detail: dict[str, Any] | None = None
     last = message.attempt >= row.max_attempts
     refund = False
+    parked_on: str | None = None
     # The claim's shared timer (relay/deadline.py), not a timer and a task per delivery.
     task = asyncio.current_task()
     assert task is not None
@@ -214,6 +215,9 @@ async def attempt(
         if not exc.counts_as_attempt:
             refund, last = True, False
             detail = {**(detail or {}), "counted": False}
+        if exc.until_recovered is not None:
+            parked_on = exc.until_recovered
+            detail = {**(detail or {}), "parked_on": parked_on}
     except PermanentError as exc:
         outcome = "dead"
         error_type, error = describe(exc, redactor)
@@ -252,6 +256,7 @@ async def attempt(
         error=None if error is None else _storable_text(error),
         detail=_storable_detail(detail),
         refund=refund,
+        parked_on=None if status != "pending" else parked_on,
     )
 
 
