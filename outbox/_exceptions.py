@@ -141,7 +141,9 @@ class RetryLater(OutboxError):
                 delay = PARKED_DELAY
         self.delay: float | None = delay
         self.detail: dict[str, Any] | None = dict(detail) if detail is not None else None
-        self.counts_as_attempt: bool = until_recovered is None if counts_as_attempt is None else counts_as_attempt
+        if counts_as_attempt is None:
+            counts_as_attempt = until_recovered is None
+        self.counts_as_attempt: bool = counts_as_attempt
         self.until_recovered: str | None = until_recovered
 
 
