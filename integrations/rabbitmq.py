@@ -22,16 +22,20 @@ refused (``basic.nack``)                retried (a full queue with ``x-overflow:
 no confirm within ``publish_timeout``   deferred, not counted (the broker is blocked by an
                                         alarm or unreachable; it may still accept it later:
                                         a duplicate)
-cannot connect; connection or channel   deferred, not counted; the next publish reconnects
+cannot connect; connection or channel   parked until the broker is back, not counted
 lost
 exchange missing (not declared)         retried, the reason recorded
 ======================================  ===================================================
 
 A deferral that is not counted says nothing about the message: a broker
-outage of any length uses up no attempts. Such deferrals wait longer as the
-outage goes on (a second at first, then a quarter of the time the broker has
-been away, at most ``_OUTAGE_RETRY_CAP`` seconds), so a long outage does not
-turn into a storm of claims and history rows.
+outage of any length uses up no attempts. A parked message
+(``_broker_recovery``, keyed ``amqp://host:port/vhost``) waits for one
+reconnect probe per relay, once a second, whose success sends every message
+parked on the broker at once; messages claimed meanwhile park without a
+connection attempt each. Outside a relay nothing parks: such deferrals wait a
+second, then a quarter of the outage so far, at most ``OUTAGE_RETRY_CAP``
+seconds. A broker that takes the connection but withholds confirms (a memory
+or disk alarm) is not parked: nothing would tell its end.
 
 Returns are matched to publishes by AMQP ``message_id`` (the client's rule), and
 one event published by several routes shares its ``message_id`` (the
@@ -43,18 +47,24 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
+from aio_pika.abc import AbstractConnection, AbstractExchange
 from aiormq.exceptions import DeliveryError, PublishError
 from yarl import URL
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater
 
+from ._broker_recovery import Recovery
 from ._envelope import RoutingTemplate, envelope
 from ._per_loop import PerLoop
+from ._rabbitmq_link import Link as _Link
+from ._rabbitmq_link import close_quietly as _close_quietly
+
+if TYPE_CHECKING:
+    from outbox._breaker_board import BreakerBoard
 
 __all__ = ["RabbitMQPublisher"]
 
@@ -62,9 +72,6 @@ ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
 _KINDS: tuple[str, ...] = ("direct", "topic", "fanout", "headers")
 _CONNECT_TIMEOUT = 10.0
 _CLOSE_TIMEOUT = 5.0
-#: Deferrals during an outage: the first after a second, later ones a quarter of its length so far.
-_OUTAGE_RETRY_MIN = 1.0
-_OUTAGE_RETRY_CAP = 30.0
 _UNROUTABLE = ("dead", "retry")
 
 
@@ -92,58 +99,6 @@ def _positive(what: str, value: object) -> float:
     ):
         raise ConfigurationError(f"{what} must be a positive number of seconds, got {value!r}")
     return float(value)
-
-
-class _Link:
-    """The connection, channel and exchange one event loop publishes through, opened on first use."""
-
-    def __init__(self, close_timeout: float) -> None:
-        self.close_timeout = close_timeout
-        self.lock = asyncio.Lock()
-        self.connection: AbstractConnection | None = None
-        self.channel: AbstractChannel | None = None
-        self.exchange: AbstractExchange | None = None
-        #: loop time the broker was first found unreachable in the current outage (None: reachable)
-        self.down_since: float | None = None
-        #: publishes in flight by AMQP message_id: the client matches a return to its publish by it
-        self.publishing: dict[str, asyncio.Future[None]] = {}
-
-    def outage_delay(self) -> float:
-        """How long a message deferred by this outage waits: longer as the outage goes on."""
-        now = asyncio.get_running_loop().time()
-        if self.down_since is None:
-            self.down_since = now
-        return min(_OUTAGE_RETRY_CAP, max(_OUTAGE_RETRY_MIN, (now - self.down_since) / 4))
-
-    async def one_at_a_time(self, message_id: str) -> asyncio.Future[None]:
-        """Wait until no publish with ``message_id`` is in flight, then claim the id; resolve the result."""
-        while (earlier := self.publishing.get(message_id)) is not None and not earlier.done():
-            await asyncio.shield(earlier)
-        self.publishing[message_id] = done = asyncio.get_running_loop().create_future()
-
-        def forget(finished: asyncio.Future[None]) -> None:
-            if self.publishing.get(message_id) is finished:
-                del self.publishing[message_id]
-
-        done.add_done_callback(forget)
-        return done
-
-    def usable(self) -> bool:
-        return (
-            self.connection is not None
-            and not self.connection.is_closed
-            and self.channel is not None
-            and not self.channel.is_closed
-            and self.exchange is not None
-        )
-
-    async def drop(self, connection: AbstractConnection | None = None) -> None:
-        """Forget the connection (only ``connection``, if given: a newer one may already be in use)."""
-        if connection is not None and connection is not self.connection:
-            return
-        old, self.connection, self.channel, self.exchange = self.connection, None, None, None
-        if old is not None:
-            await _close_quietly(old, self.close_timeout)
 
 
 class RabbitMQPublisher:
@@ -207,6 +162,16 @@ class RabbitMQPublisher:
             raise ConfigurationError(f"on_unroutable must be 'dead' or 'retry', got {on_unroutable!r}")
         self.on_unroutable = on_unroutable
         self._links: PerLoop[_Link] = PerLoop(lambda: _Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
+        port = self._url.port or (5671 if self._url.scheme == "amqps" else 5672)
+        self._recovery = Recovery(
+            f"{self._url.scheme}://{self._url.host}:{port}{self._url.raw_path or '/'}",
+            f"RabbitMQ at {self.url}",
+        )
+
+    @property
+    def destination(self) -> str:
+        """What a message is parked on while the broker is away: the URL without credentials."""
+        return self._recovery.destination
 
     @property
     def url(self) -> str:
@@ -232,10 +197,15 @@ class RabbitMQPublisher:
             text = text.replace(secret, "***")
         return text
 
+    def outbox_share_breakers(self, board: BreakerBoard) -> None:
+        """The relay's board: how a reconnect releases the messages parked on the broker, in every relay."""
+        self._recovery.share(board)
+
     async def outbox_shutdown(self) -> None:
-        """Close the running loop's connection (the relay calls this when it stops)."""
+        """Stop the loop's reconnect probe and close its connection (the relay calls this when it stops)."""
         link = self._links.pop(asyncio.get_running_loop())
         if link is not None:
+            await link.probe.stop()
             await link.drop()
 
     # -- delivery -----------------------------------------------------------------------
@@ -255,11 +225,15 @@ class RabbitMQPublisher:
         )
         detail: dict[str, Any] = {"exchange": self.exchange, "routing_key": routing_key}
         link = self._link()
+        if link.probe.away and self._recovery.parks:
+            raise self._recovery.parked("away, reconnecting", {**detail, "reason": "connection"})
         connection: AbstractConnection | None = None
+        generation = link.generation
         turn: asyncio.Future[None] | None = None
         try:
             async with asyncio.timeout(self.publish_timeout):
                 exchange, connection = await self._open(link)
+                generation = link.generation
                 turn = await link.one_at_a_time(env.id)
                 await exchange.publish(amqp, routing_key, mandatory=True)
             link.down_since = None
@@ -280,7 +254,13 @@ class RabbitMQPublisher:
                 "is full and rejects publishes, or the broker failed to store it",
                 detail={**detail, "reason": "nacked"},
             ) from None
+        except _Away:
+            raise self._recovery.parked("away, reconnecting", {**detail, "reason": "connection"}) from None
         except TimeoutError:
+            if connection is None:  # no connection within the time: unreachable, not blocked
+                raise self._unavailable(
+                    link, generation, detail, f"no connection within {self.publish_timeout:g}s"
+                ) from None
             raise RetryLater(
                 f"no confirm from {self.url} within {self.publish_timeout:g}s "
                 "(broker blocked, e.g. a memory or disk alarm, or unreachable); not counted",
@@ -293,12 +273,8 @@ class RabbitMQPublisher:
         except (aiormq.exceptions.AMQPError, ConnectionError, OSError, RuntimeError) as exc:
             # RuntimeError: aiormq's ChannelInvalidStateError when the channel closed under us.
             await link.drop(connection)
-            raise RetryLater(
-                f"RabbitMQ at {self.url}: {type(exc).__name__}: {self._scrub(str(exc))}; not counted",
-                delay=link.outage_delay(),
-                counts_as_attempt=False,
-                detail={**detail, "reason": "connection"},
-            ) from None
+            why = f"{type(exc).__name__}: {self._scrub(str(exc))}"
+            raise self._unavailable(link, generation, detail, why) from None
         finally:
             if turn is not None and not turn.done():
                 turn.set_result(None)
@@ -307,11 +283,48 @@ class RabbitMQPublisher:
     def _link(self) -> _Link:
         return self._links.get()
 
+    # -- outages ------------------------------------------------------------------------
+
+    def _unavailable(self, link: _Link, generation: int, detail: dict[str, Any], why: str) -> RetryLater:
+        """The deferral of a publish that found the broker unreachable or lost the connection."""
+        facts = {**detail, "reason": "connection"}
+        if not self._recovery.parks:
+            return RetryLater(
+                f"RabbitMQ at {self.url}: {why}; not counted",
+                delay=link.outage_delay(),
+                counts_as_attempt=False,
+                detail=facts,
+            )
+        if link.generation != generation and link.usable():
+            # The probe reconnected while this publish was failing: parked now, nothing would release it.
+            return RetryLater(
+                f"RabbitMQ at {self.url}: {why}; reconnected since, not counted",
+                delay=0.0,
+                counts_as_attempt=False,
+                detail=facts,
+            )
+        link.probe.start(self._recovery, why, lambda: self._reconnect(link))
+        return self._recovery.parked(why, facts)
+
+    async def _reconnect(self, link: _Link) -> None:
+        """The probe's one try: connect (no exchange yet is still a broker that answers)."""
+        async with asyncio.timeout(min(self.publish_timeout, _CONNECT_TIMEOUT)):
+            async with link.lock:
+                if not link.usable():
+                    await link.drop()
+                    try:
+                        await self._connect(link)
+                    except _ExchangeMissing:
+                        pass  # the publishes that follow say what is missing
+        link.down_since = None
+
     async def _open(self, link: _Link) -> tuple[AbstractExchange, AbstractConnection]:
         """The loop's exchange handle, connecting first if there is none or the old one is closed."""
         if not link.usable():
             async with link.lock:
                 if not link.usable():
+                    if link.probe.away and self._recovery.parks:
+                        raise _Away  # the probe is on it: no connection attempt per message
                     await link.drop()
                     await self._connect(link)
         assert link.exchange is not None and link.connection is not None
@@ -345,18 +358,12 @@ class RabbitMQPublisher:
             await _close_quietly(connection, link.close_timeout)
             raise
         link.connection, link.channel, link.exchange = connection, channel, exchange
+        link.generation += 1
 
 
 class _ExchangeMissing(Exception):
     pass
 
 
-async def _close_quietly(connection: AbstractConnection, timeout: float) -> None:
-    """Close, waiting no longer than ``timeout``: a blocked broker may never answer the close."""
-    if connection.is_closed:
-        return
-    try:
-        async with asyncio.timeout(timeout):
-            await connection.close()
-    except Exception:  # gone or blocked: nothing more to release
-        pass
+class _Away(Exception):
+    """The broker is known to be away: a delivery parks instead of trying to connect."""
