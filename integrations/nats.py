@@ -21,8 +21,8 @@ counts as delivered too (the first copy is stored), recorded as
 acked (stored, or a duplicate)         delivered; detail: subject, stream, seq, duplicate, msg_id
 no ack within ``publish_timeout``      retried (the server may have stored it: the retry is deduped);
                                        not counted when the connection went down meanwhile
-connection down, reconnecting, lost    retried after a second, without waiting for a timeout, and
-mid-publish                            not counted as an attempt (nothing is known of the message)
+connection down, reconnecting, lost    parked until the connection is back, without waiting for a
+mid-publish                            timeout, and not counted (nothing is known of the message)
 no stream captures the subject         dead with the reason (a stream is configuration: create it,
                                        then requeue); a JetStream that does not answer yet (a
                                        restarting server) is retried, not counted
@@ -30,6 +30,12 @@ JetStream refuses it (400: expected    dead with the server's description
 stream mismatch, message too large)
 other JetStream errors (503, limits)   retried
 =====================================  ==============================================================
+
+While the connection is down (nats-py reconnects on its own, once a second) or
+was never made, a message is parked on the servers
+(``_broker_recovery``, keyed ``nats://host:port,...``): the reconnect, or the
+first success of a probe when the relay started during the outage, sends
+every message parked on them at once, in every relay.
 
 Before the relay claims anything, ``outbox_start`` compares the stream's
 ``duplicate_window`` with the route's longest retry gap (see
@@ -46,7 +52,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import nats
@@ -58,6 +64,10 @@ from nats.js import JetStreamContext
 from outbox import ConfigurationError, Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
+if TYPE_CHECKING:
+    from outbox._breaker_board import BreakerBoard
+
+from ._broker_recovery import Probe, Recovery
 from ._envelope import RoutingTemplate, envelope
 from ._nats_window import WindowCheck, check_window
 from ._per_loop import PerLoop
@@ -112,6 +122,7 @@ class _Link:
     js: JetStreamContext | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one connect at a time
     check_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one deferred window check
+    probe: Probe = field(default_factory=Probe)  # the first connect, retried while the servers are away
 
 
 class NatsPublisher:
@@ -172,6 +183,13 @@ class NatsPublisher:
         self._links: PerLoop[_Link] = PerLoop(_Link)
         self._deferred: dict[str, WindowCheck] = {}  # window checks NATS was not reachable for at start
         self._blocked: dict[str, str] = {}  # route -> why it may not publish ("refuse", found late)
+        hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
+        self._recovery = Recovery(f"nats://{hosts}", f"NATS at {hosts}")
+
+    @property
+    def destination(self) -> str:
+        """What a message is parked on while the servers are away: their addresses, never a credential."""
+        return self._recovery.destination
 
     def __repr__(self) -> str:
         hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
@@ -204,11 +222,17 @@ class NatsPublisher:
                 extra={"action": "nats_window_deferred", "handler": route.name},
             )
 
+    def outbox_share_breakers(self, board: BreakerBoard) -> None:
+        """The relay's board: how a reconnect releases the messages parked on the servers, in every relay."""
+        self._recovery.share(board)
+
     async def outbox_shutdown(self) -> None:
         """Close the running loop's connection (every publish was awaited to its ack: nothing to drain)."""
         link = self._links.pop(asyncio.get_running_loop())
-        if link is not None and link.client is not None and not link.client.is_closed:
-            await link.client.close()
+        if link is not None:
+            await link.probe.stop()
+            if link.client is not None and not link.client.is_closed:
+                await link.client.close()
 
     # -- delivery -----------------------------------------------------------------------
 
@@ -227,12 +251,7 @@ class NatsPublisher:
         client, js = await self._connection()
         if not client.is_connected:
             # Nothing was sent, and the outage says nothing about the message: not an attempt.
-            raise RetryLater(
-                "NATS connection is down (reconnecting); nothing sent",
-                delay=RECONNECT_WAIT,
-                counts_as_attempt=False,
-                detail={"reason": "disconnected"},
-            )
+            raise self._down("connection is down (reconnecting); nothing sent", {"reason": "disconnected"})
         headers = {**env.headers, "Nats-Msg-Id": env.dedupe_id}
         base = {"subject": subject, "msg_id": env.dedupe_id}
         try:
@@ -244,11 +263,9 @@ class NatsPublisher:
             raise await self._no_stream(js, subject, base) from None
         except TimeoutError:
             if not client.is_connected:  # the connection went down meanwhile: nothing known of the message
-                raise RetryLater(
-                    f"no JetStream ack for {subject!r}: the connection went down; not counted",
-                    delay=RECONNECT_WAIT,
-                    counts_as_attempt=False,
-                    detail={**base, "reason": "disconnected"},
+                raise self._down(
+                    f"no JetStream ack for {subject!r}: the connection went down",
+                    {**base, "reason": "disconnected"},
                 ) from None
             raise RetryLater(
                 f"no JetStream ack for {subject!r} within {self.publish_timeout:g}s",
@@ -267,8 +284,11 @@ class NatsPublisher:
                 detail={**base, "reason": "too_large"},
             ) from None
         except _CONNECTION_ERRORS as exc:
+            why = f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}"
+            if not client.is_connected:
+                raise self._down(why, {**base, "reason": "connection"}) from None
             raise RetryLater(
-                f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}; not counted",
+                f"{why}; not counted",
                 delay=RECONNECT_WAIT,
                 counts_as_attempt=False,
                 detail={**base, "reason": "connection"},
@@ -315,16 +335,35 @@ class NatsPublisher:
     def _link(self) -> _Link:
         return self._links.get()
 
+    def _down(self, why: str, detail: dict[str, Any]) -> RetryLater:
+        """The deferral while the connection is down: parked in a relay (the reconnect releases it)."""
+        if self._recovery.parks:
+            return self._recovery.parked(why, detail)
+        return RetryLater(
+            f"NATS {why}; not counted", delay=RECONNECT_WAIT, counts_as_attempt=False, detail=detail
+        )
+
     async def _connection(self) -> tuple[Client, JetStreamContext]:
         """The loop's connection, opened on first use (and again if nats-py ever closed it)."""
         link = self._link()
         if link.client is None or link.js is None or link.client.is_closed:
+            if link.probe.away and self._recovery.parks:
+                raise self._down("not reachable yet (a probe tries every second)", {"reason": "connect"})
             async with link.lock:
                 if link.client is None or link.js is None or link.client.is_closed:
-                    link.client = await self._connect()
-                    link.js = link.client.jetstream(timeout=self.publish_timeout)
+                    try:
+                        await self._open(link)
+                    except RetryLater as exc:
+                        if not self._recovery.parks:
+                            raise
+                        link.probe.start(self._recovery, str(exc), lambda: self._open(link))
+                        raise self._down(str(exc), {"reason": "connect"}) from None
         assert link.client is not None and link.js is not None
         return link.client, link.js
+
+    async def _open(self, link: _Link) -> None:
+        client = await self._connect()
+        link.client, link.js = client, client.jetstream(timeout=self.publish_timeout)
 
     async def _connect(self) -> Client:
         client = Client()
@@ -370,6 +409,7 @@ class NatsPublisher:
 
     async def _on_reconnected(self) -> None:
         log.info("NATS connection re-established", extra={"action": "nats_reconnected"})
+        self._recovery.back()  # what waited for it goes now, in every relay
 
     # -- duplicate window -----------------------------------------------------------------
 
