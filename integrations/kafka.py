@@ -20,11 +20,21 @@ What the delivery report says decides the rest:
 acknowledged                               delivered; the detail records topic, partition, offset
 the message itself can never be written    dead at once, the broker's reason recorded
 (too large, invalid record, invalid topic)
-anything else: brokers away, not enough    retried with the route's backoff (librdkafka has
-in-sync replicas, unknown topic,           already retried inside ``delivery_timeout``); a
-authorization, a fatal producer error      fatal error also replaces the producer
-no report within ``delivery_timeout``      retried, never a hang
+brokers unreachable or not taking writes   deferred, not counted; while every broker is down,
+(``UNAVAILABLE``)                          parked until one is back
+anything else: unknown topic,              retried with the route's backoff (librdkafka has
+authorization, a fatal producer error      already retried inside ``delivery_timeout``); a
+                                           fatal error also replaces the producer
+no report within ``delivery_timeout``      retried, never a hang; not counted
 =========================================  =====================================================
+
+While librdkafka reports every broker down, messages are parked on the
+cluster (``_broker_recovery``, keyed ``kafka://`` and the bootstrap servers)
+without being produced, and a probe asks for the cluster's metadata once a
+second (``_kafka_session``); its first answer sends every parked message at
+once, in every relay. librdkafka reconnects meanwhile, at most a second apart
+(``reconnect.backoff.max.ms`` defaults to 1000 here), and a message it still
+holds from before the outage goes out as soon as it has.
 
 An unknown topic and a refused authorization are retried, not dead: both are
 fixed on the cluster (create the topic, grant the ACL), often by a deploy that
@@ -39,16 +49,16 @@ import functools
 import logging
 import math
 import threading
-import time
 import weakref
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater
 from outbox._redact import Redactor
 
+from ._broker_recovery import Recovery
 from ._envelope import envelope
 from ._kafka_config import (
     TOPIC_NAME,
@@ -57,17 +67,19 @@ from ._kafka_config import (
     secret_values,
     validate_with_librdkafka,
 )
+from ._kafka_session import Session as _Session
+from ._kafka_session import report as _report
+
+if TYPE_CHECKING:
+    from outbox._breaker_board import BreakerBoard
 
 __all__ = ["KafkaPublisher"]
 
 log = logging.getLogger("outbox.integrations.kafka")
-_librdkafka_log = logging.getLogger("outbox.integrations.kafka.librdkafka")
 
 #: The wait for a delivery report beyond ``delivery_timeout``: librdkafka fails a message itself
 #: at ``message.timeout.ms`` (set to ``delivery_timeout``); this only catches a report that never comes.
 REPORT_GRACE = 2.0
-#: librdkafka's errors (other than a fatal one) are logged at most this often per kind.
-ERROR_LOG_INTERVAL = 60.0
 
 # Errors about the message itself: sending the same bytes to the same topic again cannot succeed.
 _PERMANENT = frozenset(
@@ -114,115 +126,6 @@ _TOPIC_STATE = frozenset(
         KafkaError.LEADER_NOT_AVAILABLE,
     }
 )
-
-
-class _Logger:
-    """What confluent-kafka's ``logger`` needs (a ``log`` method), masking secrets on the way."""
-
-    def __init__(self, redactor: Redactor) -> None:
-        self._redactor = redactor
-
-    def log(self, level: int, fmt: str, *args: Any) -> None:
-        if _librdkafka_log.isEnabledFor(level):
-            try:
-                text = fmt % args if args else str(fmt)
-            except (TypeError, ValueError):
-                text = " ".join(map(str, (fmt, *args)))
-            _librdkafka_log.log(level, "%s", self._redactor.text(text))
-
-
-class _Session:
-    """One producer and the one thread that serves its delivery reports, for one relay (event loop).
-
-    ``poll()`` blocks, so it runs on a thread of its own; each report settles
-    its message's future on the loop that produced it, thread-safely.
-    """
-
-    def __init__(self, config: dict[str, Any], redactor: Redactor) -> None:
-        self.fatal: KafkaError | None = None
-        self._redactor = redactor
-        self._logged: dict[int, float] = {}
-        self._refreshing: dict[str, threading.Thread] = {}
-        self._refresh_lock = threading.Lock()
-        self.producer = Producer({**config, "error_cb": self._on_error, "logger": _Logger(redactor)})
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="outbox-kafka-reports", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.producer.poll(0.1)  # returns at once when a report is ready
-            except KafkaException as exc:  # how confluent-kafka raises a fatal error
-                if exc.args and isinstance(exc.args[0], KafkaError):
-                    self._on_error(exc.args[0])
-            except Exception:  # never let the thread end: every waiting attempt would time out
-                log.exception("Kafka delivery report handling failed")
-
-    def _on_error(self, err: KafkaError) -> None:
-        """Client-level errors (brokers down, authentication); each message's fate is in its own report."""
-        text = self._redactor.text(err.str())
-        if err.fatal():
-            self.fatal = err  # the idempotent producer cannot go on: the next message gets a new one
-            log.error("Kafka producer failed fatally (%s): %s; it will be replaced", err.name(), text)
-            return
-        now = time.monotonic()
-        if now - self._logged.get(err.code(), -math.inf) >= ERROR_LOG_INTERVAL:
-            self._logged[err.code()] = now
-            log.warning("Kafka client error %s: %s", err.name(), text)
-
-    def refresh(self, topic: str) -> None:
-        """Fetch ``topic``'s metadata in the background, so the next attempt sees the cluster as it is now."""
-        with self._refresh_lock:
-            if topic in self._refreshing or self._stop.is_set():
-                return
-            thread = self._refreshing[topic] = threading.Thread(
-                target=self._refresh, args=(topic,), name="outbox-kafka-metadata", daemon=True
-            )
-        thread.start()
-
-    def _refresh(self, topic: str) -> None:
-        try:
-            self.producer.list_topics(topic, timeout=5)
-        except Exception as exc:  # the cluster is away: the next attempt's own error tells
-            log.debug("Kafka metadata refresh for %s failed: %s", topic, self._redactor.text(str(exc)))
-        finally:
-            with self._refresh_lock:
-                self._refreshing.pop(topic, None)
-
-    def close(self, timeout: float) -> int:
-        """Stop the report thread, wait up to ``timeout`` for what is in flight; how many were left."""
-        self._stop.set()
-        self._thread.join()
-        with self._refresh_lock:
-            refreshing = list(self._refreshing.values())
-        for thread in refreshing:  # the producer must outlive their requests
-            thread.join()
-        left = self.producer.flush(timeout)
-        if left:
-            self.producer.purge()  # their attempts have already timed out and will be retried
-            self.producer.poll(0)
-        self.producer.close()
-        return left
-
-
-def _report(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future[tuple[KafkaError | None, int, int]],
-    err: KafkaError | None,
-    msg: Any,
-) -> None:
-    """The delivery callback, on the report thread: hand the outcome to the waiting coroutine."""
-    outcome = (err, msg.partition(), msg.offset())
-
-    def settle() -> None:
-        if not future.done():  # the attempt may have timed out or been cancelled meanwhile
-            future.set_result(outcome)
-
-    try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        pass
 
 
 class KafkaPublisher:
@@ -275,6 +178,13 @@ class KafkaPublisher:
         )
         self._lock = threading.Lock()
         self._closing: set[asyncio.Task[None]] = set()
+        servers = str(self._config.get("bootstrap.servers") or "mock")
+        self._recovery = Recovery(f"kafka://{servers}", f"Kafka at {servers}")
+
+    @property
+    def destination(self) -> str:
+        """What a message is parked on while every broker is down: ``kafka://`` and the bootstrap servers."""
+        return self._recovery.destination
 
     def __repr__(self) -> str:
         servers = self._config.get("bootstrap.servers", "mock")
@@ -285,6 +195,10 @@ class KafkaPublisher:
     def outbox_secrets(self) -> list[str]:
         """Config values the relay masks wherever they would be written (passwords, keys, OAuth config)."""
         return secret_values(self._config)
+
+    def outbox_share_breakers(self, board: BreakerBoard) -> None:
+        """The relay's board: how the brokers' return releases the messages parked on them, in every relay."""
+        self._recovery.share(board)
 
     async def outbox_shutdown(self) -> None:
         """Flush and close this relay's producer (the relay calls this when it stops)."""
@@ -315,7 +229,7 @@ class KafkaPublisher:
                 task = loop.create_task(self._close(session))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            session = self._sessions[loop] = _Session(self._config, self._redactor)
+            session = self._sessions[loop] = _Session(self._config, self._redactor, self._recovery)
             return session
 
     def _topic_of(self, message: Message) -> str:
@@ -331,6 +245,8 @@ class KafkaPublisher:
         topic = self._topic_of(message)
         env = envelope(message, source=self.source)
         session = self._session()
+        if session.away and self._recovery.parks:  # nothing is produced while every broker is down
+            raise self._recovery.parked("every broker is down", {"reason": "unavailable", "topic": topic})
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[KafkaError | None, int, int]] = loop.create_future()
         try:
@@ -354,6 +270,11 @@ class KafkaPublisher:
             async with asyncio.timeout(self.delivery_timeout + REPORT_GRACE):
                 err, partition, offset = await future
         except TimeoutError:
+            if session.away and self._recovery.parks:
+                raise self._recovery.parked(
+                    f"no delivery report within {self.delivery_timeout:g}s, every broker is down",
+                    {"reason": "timeout", "topic": topic},
+                ) from None
             raise RetryLater(
                 f"no delivery report from Kafka within {self.delivery_timeout:g}s "
                 "(brokers unreachable or not taking writes); not counted",
@@ -378,6 +299,10 @@ class KafkaPublisher:
         if err.code() in _TOPIC_STATE:
             session.refresh(topic)
         if err.code() in UNAVAILABLE:
+            if session.away and self._recovery.parks:
+                raise self._recovery.parked(
+                    f"{text}; every broker is down", {**detail, "reason": "unavailable"}
+                )
             raise RetryLater(
                 f"{text}; not counted",
                 delay=UNAVAILABLE_RETRY,
