@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox import ConfigurationError, Message, PermanentError, RetryLater
+from outbox import ConfigurationError, Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
 from ._broker_recovery import Recovery
@@ -144,7 +144,11 @@ class KafkaPublisher:
     ``topic`` is a template over ``{event_type}``, ``{aggregate_type}``,
     ``{aggregate_id}`` and ``{handler}``; ``source`` is the ``ce-source``
     attribute. One producer is created per relay, at its first message, and
-    flushed and closed when the relay stops.
+    flushed and closed when the relay stops. ``delivery_timeout`` (25 s) stays
+    below the route's timeout (30 s by default) with its grace, so librdkafka's
+    verdict comes first: a route whose timeout is shorter is warned about at
+    start (``kafka_timeout_short``), since its cut-off counts an attempt where
+    the verdict would have said the brokers were away.
     """
 
     def __init__(
@@ -153,7 +157,7 @@ class KafkaPublisher:
         topic: str = "{event_type}",
         *,
         source: str = "urn:sqlalchemy-outbox:{handler}",
-        delivery_timeout: float = 30.0,
+        delivery_timeout: float = 25.0,
     ) -> None:
         if (
             isinstance(delivery_timeout, bool)
@@ -195,6 +199,20 @@ class KafkaPublisher:
     def outbox_secrets(self) -> list[str]:
         """Config values the relay masks wherever they would be written (passwords, keys, OAuth config)."""
         return secret_values(self._config)
+
+    def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
+        """Warn when the route's timeout would cut a delivery report short (a counted attempt)."""
+        if route.timeout <= self.delivery_timeout + REPORT_GRACE:
+            log.warning(
+                "route %s: its timeout (%gs) ends an attempt before Kafka's delivery report can come "
+                "(delivery_timeout %gs plus %gs): an outage then counts attempts; raise the route's "
+                "timeout or lower delivery_timeout",
+                route.name,
+                route.timeout,
+                self.delivery_timeout,
+                REPORT_GRACE,
+                extra={"action": "kafka_timeout_short", "handler": route.name},
+            )
 
     def outbox_share_breakers(self, board: BreakerBoard) -> None:
         """The relay's board: how the brokers' return releases the messages parked on them, in every relay."""
