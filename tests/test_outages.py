@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -45,7 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tcpforward import Forwarder
 from test_rabbitmq import BROKER, Broker
 from test_relay_registry import Serving
-from test_webhook import LOCAL, SECRET, Receiver, Reply, serve
+from test_webhook import LOCAL, SECRET
 
 import outbox
 from outbox import Outbox, emit
@@ -58,7 +59,7 @@ from outbox.relay import Relay
 m, a = outbox.outbox_message, outbox.outbox_attempt
 
 OUTAGE = float(os.environ.get("OUTBOX_OUTAGE_SECONDS", "15"))
-EMIT_EVERY = 0.25
+EMIT_EVERY = 0.5
 BROKER_RECOVERY = 5.0
 WEBHOOK_RECOVERY = 2.0
 NATS_SERVER = "/usr/sbin/nats-server"
@@ -96,15 +97,19 @@ class Emitter:
 @dataclass(frozen=True)
 class Summary:
     messages: int
+    backlog: int  # emitted before the return, delivered after it
     deferrals: int
+    counted: int  # deferrals that used an attempt
     parked: int
+    first_after_return: float  # seconds from the return to the first delivery of the backlog
     latest_after_return: float  # seconds: the latest delivery after the later of return and emit
 
     def line(self, what: str) -> str:
         return (
             f"{what}: outage {OUTAGE:g}s, {self.messages} messages, 0 dead, {self.deferrals} deferrals"
-            f" ({self.parked} parked), every message delivered within {self.latest_after_return:.2f}s"
-            " of the return (or of its emit)"
+            f" ({self.parked} parked), {self.counted} counted; backlog of {self.backlog} delivered from"
+            f" {self.first_after_return:.2f}s to {self.latest_after_return:.2f}s after the return;"
+            f" every message within {self.latest_after_return:.2f}s of the return or of its emit"
         )
 
 
@@ -181,7 +186,11 @@ def outcome(
     parked = [h for h in deferrals if isinstance(h.detail, dict) and h.detail.get("parked_on") == destination]
     assert parked, "the outage was met: messages were parked on the destination"
     latest = max((r.delivered_at - max(r.created_at, returned)).total_seconds() for r in rows)
-    return Summary(len(rows), len(deferrals), len(parked), latest)
+    backlog = [
+        (r.delivered_at - returned).total_seconds() for r in rows if r.delivered_at > returned > r.created_at
+    ]
+    first = min(backlog, default=0.0)
+    return Summary(len(rows), len(backlog), len(deferrals), len(counted), len(parked), first, latest)
 
 
 # -- RabbitMQ: the path to the broker cut -------------------------------------------------------
@@ -297,22 +306,58 @@ def test_kafka_brokers_down_then_up_lose_nothing_and_deliver_within_seconds(pg_e
 
 # -- a webhook receiver answering 503 ---------------------------------------------------------------
 
+#: The receiver, a process of its own as a partner's would be: 503 while the flag file exists, else 200.
+RECEIVER = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-def test_a_webhook_receiver_back_from_503_gets_everything_within_two_seconds(pg_engine):
-    receiver = Receiver()
-    for _ in serve(receiver):
-        handler = WebhookHandler(receiver.url(), SECRET, allowed_networks=LOCAL)  # breaker defaults
-        ob = Outbox()
-        ob.route("order.paid", handler, name="partner")
-        destination = f"127.0.0.1:{receiver.port}"
+flag = sys.argv[1]
 
-        def unavailable() -> None:
-            receiver.default = Reply(503, body=b"maintenance")
+class Answer(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
 
-        def available() -> None:
-            receiver.default = Reply(200)
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        down = os.path.exists(flag)
+        body = b"maintenance" if down else b""
+        self.send_response(503 if down else 200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-        returned = through_an_outage(ob, pg_engine, destination, unavailable, available)
+    def log_message(self, *args):
+        pass
+
+class Server(ThreadingHTTPServer):
+    request_queue_size = 512
+    daemon_threads = True
+
+server = Server(("127.0.0.1", 0), Answer)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.fixture
+def partner(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A receiver process on a free port, and the flag file that makes it answer 503."""
+    flag = tmp_path / "down"
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(flag)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline()), flag
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_webhook_receiver_back_from_503_gets_everything_within_two_seconds(pg_engine, partner):
+    port, flag = partner
+    handler = WebhookHandler(f"http://127.0.0.1:{port}/hook", SECRET, allowed_networks=LOCAL)  # defaults
+    ob = Outbox()
+    ob.route("order.paid", handler, name="partner")
+    destination = f"127.0.0.1:{port}"
+    returned = through_an_outage(ob, pg_engine, destination, flag.touch, flag.unlink)
     # The failures that open the breaker count, as any failure of a destination that looked up;
     # none after it opened did.
     summary = outcome(pg_engine, destination, returned, counted_before_opening=handler.breaker.threshold - 1)
