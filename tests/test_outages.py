@@ -1,7 +1,7 @@
 """Outages of a destination, against the real servers, with every setting at its default.
 
 Each test runs a relay serving on PostgreSQL while an emitter keeps adding a
-message every ``EMIT_EVERY`` seconds, takes the destination away for
+message every ``EMIT_EVERY`` seconds (``OUTBOX_OUTAGE_EMIT_EVERY``, 0.5), takes the destination away for
 ``OUTBOX_OUTAGE_SECONDS`` (15 by default, so a CI run stays short;
 docs/brokers.md and docs/webhooks.md record runs of ten and two minutes),
 brings it back, and checks what the product promises of an outage:
@@ -59,7 +59,7 @@ from outbox.relay import Relay
 m, a = outbox.outbox_message, outbox.outbox_attempt
 
 OUTAGE = float(os.environ.get("OUTBOX_OUTAGE_SECONDS", "15"))
-EMIT_EVERY = 0.5
+EMIT_EVERY = float(os.environ.get("OUTBOX_OUTAGE_EMIT_EVERY", "0.5"))
 BROKER_RECOVERY = 5.0
 WEBHOOK_RECOVERY = 2.0
 NATS_SERVER = "/usr/sbin/nats-server"
@@ -152,8 +152,8 @@ def through_an_outage(
         began = time.monotonic()
         wait_until(lambda: parked_on(engine, destination), "a message parked on the destination", timeout=60)
         time.sleep(max(0.0, OUTAGE - (time.monotonic() - began)))  # the outage's length, not a wait for state
+        returned = datetime.now(UTC)  # before: a restarted server's boot counts against it
         bring_back()
-        returned = datetime.now(UTC)
         # Messages keep coming after the return, too: they must not wait behind the backlog.
         wait_until(
             lambda: delivered_since(engine, returned) >= 2, "messages emitted after the return", timeout=60
@@ -306,35 +306,40 @@ def test_kafka_brokers_down_then_up_lose_nothing_and_deliver_within_seconds(pg_e
 
 # -- a webhook receiver answering 503 ---------------------------------------------------------------
 
-#: The receiver, a process of its own as a partner's would be: 503 while the flag file exists, else 200.
+#: The receiver, a process of its own as a partner's would be (asyncio, keep-alive): 503 while the flag
+#: file exists, else 200. Python's http.server would be the slowest part of the test.
 RECEIVER = """
-import os, sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import asyncio, os, sys
 
 flag = sys.argv[1]
 
-class Answer(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("content-length", "0")))
-        down = os.path.exists(flag)
-        body = b"maintenance" if down else b""
-        self.send_response(503 if down else 200)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
+async def answer(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\\r\\n\\r\\n")
+            length = 0
+            for line in head.split(b"\\r\\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            down = os.path.exists(flag)
+            body = b"maintenance" if down else b""
+            status = b"503 Service Unavailable" if down else b"200 OK"
+            size = str(len(body)).encode()
+            writer.write(b"HTTP/1.1 " + status + b"\\r\\ncontent-length: " + size + b"\\r\\n\\r\\n" + body)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
         pass
+    finally:
+        writer.close()
 
-class Server(ThreadingHTTPServer):
-    request_queue_size = 512
-    daemon_threads = True
+async def main():
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, backlog=512)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
 
-server = Server(("127.0.0.1", 0), Answer)
-print(server.server_address[1], flush=True)
-server.serve_forever()
+asyncio.run(main())
 """
 
 
