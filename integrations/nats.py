@@ -356,7 +356,7 @@ class NatsPublisher:
                     except RetryLater as exc:
                         if not self._recovery.parks:
                             raise
-                        link.probe.start(self._recovery, str(exc), lambda: self._open(link))
+                        link.probe.start(self._recovery, str(exc), lambda: self._reopen(link))
                         raise self._down(str(exc), {"reason": "connect"}) from None
         assert link.client is not None and link.js is not None
         return link.client, link.js
@@ -364,6 +364,12 @@ class NatsPublisher:
     async def _open(self, link: _Link) -> None:
         client = await self._connect()
         link.client, link.js = client, client.jetstream(timeout=self.publish_timeout)
+
+    async def _reopen(self, link: _Link) -> None:
+        """The probe's one try, while no connection was ever made (nats-py reconnects an open one)."""
+        async with link.lock:
+            if link.client is None or link.js is None or link.client.is_closed:
+                await self._open(link)
 
     async def _connect(self) -> Client:
         client = Client()
