@@ -116,7 +116,7 @@ class BreakerBoard:
         self._listeners: list[BreakerListener] = []
         self._shared: dict[str, SharedBreaker] | None = None  # None: the last read failed (or none yet)
         self._failing = False  # logged once per streak: until reads and writes both work again
-        self._last_ok: dict[str, bool | None] = {"read": None, "write": None}
+        self._last_ok: dict[str, bool | None] = {"read": None, "write": None, "release": None}
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -343,12 +343,12 @@ class BreakerBoard:
             with self.engine.begin() as conn:
                 released = unpark(conn, destination)
         except Exception as exc:
-            self._failed("write", exc)
+            self._failed("release", exc)
             if not isinstance(exc, ProgrammingError):  # not granted, not migrated: no use trying again
                 with self._lock:
                     self._release_retry.add(destination)
             return
-        self._ok("write")
+        self._ok("release")
         if not released:
             return
         log.info(
@@ -375,6 +375,14 @@ class BreakerBoard:
             if self._failing:
                 return
             self._failing = True
+        if what == "release":
+            log.warning(
+                "cannot release the messages parked on a destination that is back (outbox_unpark: %s);"
+                " they wait out their delay until it can",
+                first_line(exc),
+                extra={"action": "breaker_error", "relay_id": self.relay_id},
+            )
+            return
         log.warning(
             "cannot %s the shared circuit breakers in outbox_breaker (%s); this relay's breakers decide"
             " on their own until it can",
