@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -69,7 +68,8 @@ if TYPE_CHECKING:
 
 from ._broker_recovery import Probe, Recovery
 from ._envelope import RoutingTemplate, envelope
-from ._nats_window import WindowCheck, check_window
+from ._nats_config import BAD_STREAM, BAD_SUBJECT, RESERVED_OPTIONS, SECRET_OPTIONS, STATIC, check_servers
+from ._nats_window import WindowCheck, check_window, no_stream
 from ._per_loop import PerLoop
 
 __all__ = ["NatsPublisher"]
@@ -90,28 +90,6 @@ _CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     nats.errors.StaleConnectionError,
     nats.errors.OutboundBufferLimitError,
 )
-_SCHEMES = ("nats", "tls", "ws", "wss")
-_RESERVED_OPTIONS = frozenset(
-    {"servers", "allow_reconnect", "max_reconnect_attempts", "error_cb", "disconnected_cb", "reconnected_cb"}
-)
-_SECRET_OPTIONS = ("password", "token", "nkeys_seed_str")
-_BAD_SUBJECT = re.compile(r"[\s*>]|^\.|\.\.|\.$")
-_BAD_STREAM = re.compile(r"[\s.*>/\\]")
-_STATIC = {"event_type", "handler"}  # template fields a route fixes, so its subject is known at start
-
-
-def _servers(servers: object) -> list[str]:
-    listed = [servers] if isinstance(servers, str) else servers
-    if not isinstance(listed, list | tuple) or not listed:
-        raise ConfigurationError("servers must be a NATS URL or a non-empty list of them")
-    for url in listed:
-        parts = urlsplit(url) if isinstance(url, str) else None
-        if parts is None or parts.scheme not in _SCHEMES or not parts.hostname:
-            # Never the URL itself in the error: it may carry a password.
-            raise ConfigurationError(
-                "NATS servers must be URLs like nats://host:4222 (schemes: " + ", ".join(_SCHEMES) + ")"
-            )
-    return [str(url) for url in listed]
 
 
 @dataclass(slots=True)
@@ -147,12 +125,12 @@ class NatsPublisher:
         on_short_window: Literal["warn", "refuse"] = "warn",
         connect_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.servers = _servers(servers)
+        self.servers = check_servers(servers)
         self._subject = RoutingTemplate(subject, "NATS subject")
         self.subject = subject
-        if _BAD_SUBJECT.search(subject.format(**dict.fromkeys(self._subject.fields, "x"))):
+        if BAD_SUBJECT.search(subject.format(**dict.fromkeys(self._subject.fields, "x"))):
             raise ConfigurationError(f"NATS subject {subject!r}: no spaces, wildcards or empty tokens")
-        if stream is not None and (not isinstance(stream, str) or not stream or _BAD_STREAM.search(stream)):
+        if stream is not None and (not isinstance(stream, str) or not stream or BAD_STREAM.search(stream)):
             raise ConfigurationError(f"stream must be a JetStream stream name, got {stream!r}")
         self.stream = stream
         if not isinstance(source, str) or not source:
@@ -168,14 +146,14 @@ class NatsPublisher:
         self.publish_timeout = float(publish_timeout)
         if on_short_window not in ("warn", "refuse"):
             raise ConfigurationError(f"on_short_window must be 'warn' or 'refuse', got {on_short_window!r}")
-        if on_short_window == "refuse" and stream is None and not set(self._subject.fields) <= _STATIC:
+        if on_short_window == "refuse" and stream is None and not set(self._subject.fields) <= STATIC:
             raise ConfigurationError(
                 f"on_short_window='refuse' needs stream=...: subject {subject!r} varies per message, "
                 "so the stream whose duplicate window matters is not known at start"
             )
         self.on_short_window = on_short_window
         options = dict(connect_options or {})
-        reserved = sorted(_RESERVED_OPTIONS & set(options))
+        reserved = sorted(RESERVED_OPTIONS & set(options))
         if reserved:
             raise ConfigurationError(f"connect_options may not set {', '.join(reserved)}: NatsPublisher does")
         self._options = options
@@ -205,7 +183,7 @@ class NatsPublisher:
             for value in (parts.password, parts.username if parts.password is None else None):
                 if value:  # a lone user part is a token (nats://token@host)
                     found += [value, unquote(value)]
-        found += [str(self._options[k]) for k in _SECRET_OPTIONS if isinstance(self._options.get(k), str)]
+        found += [str(self._options[k]) for k in SECRET_OPTIONS if isinstance(self._options.get(k), str)]
         return [s for s in found if s]
 
     async def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
@@ -238,7 +216,7 @@ class NatsPublisher:
 
     async def __call__(self, message: Message) -> dict[str, Any]:
         subject = self._subject.render(message)
-        if _BAD_SUBJECT.search(subject):
+        if BAD_SUBJECT.search(subject):
             raise PermanentError(f"NATS subject {subject!r} is not valid", detail={"reason": "bad_subject"})
         env = envelope(message, source=self.source)
         if self._deferred:
@@ -260,7 +238,7 @@ class NatsPublisher:
                 subject, env.body, timeout=self.publish_timeout, stream=self.stream, headers=headers
             )
         except nats.js.errors.NoStreamResponseError:
-            raise await self._no_stream(js, subject, base) from None
+            raise await no_stream(js, subject, self.stream, base, retry_in=RECONNECT_WAIT) from None
         except TimeoutError:
             if not client.is_connected:  # the connection went down meanwhile: nothing known of the message
                 raise self._down(
@@ -299,36 +277,6 @@ class NatsPublisher:
                 detail={**base, "reason": "error"},
             ) from None
         return {**base, "stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
-
-    async def _no_stream(self, js: JetStreamContext, subject: str, base: dict[str, Any]) -> Exception:
-        """No responder: no stream captures the subject (dead), or JetStream is not up yet (retried).
-
-        A server that has just restarted accepts connections before it has
-        recovered its streams; asking the JetStream API tells the two apart.
-        """
-        try:
-            found = await js.find_stream_name_by_subject(subject)
-        except nats.js.errors.NotFoundError:
-            wanted = f" in stream {self.stream!r}" if self.stream else ""
-            return PermanentError(
-                f"no JetStream stream captures subject {subject!r}{wanted}: create or extend the "
-                "stream, then requeue the dead messages",
-                detail={**base, "reason": "no_stream"},
-            )
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
-            return RetryLater(
-                f"JetStream did not answer for {subject!r} ({type(exc).__name__}); not available yet? "
-                "not counted",
-                delay=RECONNECT_WAIT,
-                counts_as_attempt=False,
-                detail={**base, "reason": "jetstream_unavailable"},
-            )
-        return RetryLater(
-            f"stream {found!r} captures {subject!r} but did not answer the publish; recovering? not counted",
-            delay=RECONNECT_WAIT,
-            counts_as_attempt=False,
-            detail={**base, "reason": "jetstream_unavailable"},
-        )
 
     # -- connection ---------------------------------------------------------------------
 
@@ -420,7 +368,7 @@ class NatsPublisher:
     # -- duplicate window -----------------------------------------------------------------
 
     def _route_subject(self, route: Route) -> str | None:
-        if not set(self._subject.fields) <= _STATIC:
+        if not set(self._subject.fields) <= STATIC:
             return None
         return self.subject.format(event_type=route.event_type, handler=route.name)
 
