@@ -4,7 +4,7 @@ The :class:`~outbox._breaker_board.BreakerBoard` decides when; this module is
 how, for each database. On PostgreSQL every write is a call of a ``SECURITY
 DEFINER`` function that writes its log row itself (``outbox_breaker_open`` and
 ``outbox_breaker_close``, migration ``outbox_0019``; ``outbox_unpark``,
-``outbox_0020``); SQLite has no roles, so the same rows are written here, for
+``outbox_0021``); SQLite has no roles, so the same rows are written here, for
 the one relay a SQLite database has.
 """
 

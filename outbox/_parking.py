@@ -11,7 +11,7 @@ once the destination can take it; should that news be lost, the delay alone
 brings each message back.
 
 On PostgreSQL the release is the ``SECURITY DEFINER`` function
-``outbox_unpark`` (migration ``outbox_0020``), which also wakes the relays
+``outbox_unpark`` (migration ``outbox_0021``), which also wakes the relays
 (NOTIFY); on SQLite the statement below, the relay's own clock as "now".
 """
 

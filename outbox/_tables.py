@@ -123,7 +123,7 @@ outbox_message = Table(
     Column("requeued_from", RowId, ForeignKey("outbox_message.id")),
     #: Not to be handed to a handler from this moment on (outbox_0018); NULL: never expires.
     Column("expires_at", UTCDateTime),
-    #: The destination a pending message waits for (outbox_0020): set by a deferral that parked it
+    #: The destination a pending message waits for (outbox_0021): set by a deferral that parked it
     #: (``RetryLater(until_recovered=...)``), cleared when it recovers; NULL for every other message.
     Column("parked_on", Text),
     UniqueConstraint("handler", "idempotency_key"),

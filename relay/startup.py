@@ -61,7 +61,7 @@ _FUNCTIONS = text(
 
 
 #: Columns this relay reads or writes that later migrations added: where each claim reads a
-#: message's expiry (outbox_0018), where an outcome parks a message (outbox_0020).
+#: message's expiry (outbox_0018), where an outcome parks a message (outbox_0021).
 _NEWER_COLUMNS = ("expires_at", "parked_on")
 _COLUMNS = text(
     "SELECT attname FROM pg_attribute WHERE attrelid = CAST(:table AS regclass)"

@@ -6,7 +6,7 @@ time; then each may send one trial request, and the first that succeeds closes
 it for all. An operator who knows better (the partner says it is back) resets
 it: every relay sends to it again within about a second, and the messages
 parked on it (``outbox_message.parked_on``) are due at once (``outbox_unpark``,
-migration ``outbox_0020``). ``outbox retry-now`` does the same for the
+migration ``outbox_0021``). ``outbox retry-now`` does the same for the
 breakers of the messages it makes due, or the relay would turn them away again
 at once.
 
@@ -173,7 +173,7 @@ def _reset(
 
 
 def _release(conn: Connection, destination: str) -> None:
-    """What the breaker held back parked goes out now (outbox_0020), in the reset's transaction."""
+    """What the breaker held back parked goes out now (outbox_0021), in the reset's transaction."""
     if conn.dialect.name == "postgresql":
         call(conn, "SELECT outbox_unpark(:destination)", destination=destination)
     else:

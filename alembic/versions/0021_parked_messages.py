@@ -1,7 +1,7 @@
 """Parked messages: ``outbox_message.parked_on``, ``outbox_complete`` writing it, ``outbox_unpark``.
 
-Revision ID: outbox_0020
-Revises: outbox_0019
+Revision ID: outbox_0021
+Revises: outbox_0020
 Create Date: 2026-12-16
 
 A message deferred because its destination is unavailable (a broker away, a
@@ -56,8 +56,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "outbox_0020"
-down_revision = "outbox_0019"
+revision = "outbox_0021"
+down_revision = "outbox_0020"
 branch_labels = None
 depends_on = None
 
