@@ -25,6 +25,7 @@ from .drain import RelaySettings, drain_postgres, drain_sqlite
 from .emit import emit_overhead
 from .emit_report import emit_figures, emit_targets
 from .harness import Scratch, server_version
+from .inbox import inbox_rows, run_inbox
 from .latency import wake_latency
 from .memory import peak_rss
 from .peers import PEER_MODES, peer_rows, run_peers
@@ -75,6 +76,7 @@ QUICK = Sizes(300, 2000, 20.0, 3.0, None, 200, 2000, 1, 50_000, 20, 2000)
 MODES = (
     "emit",
     "tracing",
+    "inbox",
     "latency",
     "drain",
     *PEER_MODES,
@@ -86,6 +88,7 @@ MODES = (
     "dashboard",
     "nats",
     "rabbitmq",
+    "kafka",
     "scale",
     "shapes",
 )
@@ -148,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a RabbitMQ for the rabbitmq mode (default: amqp://guest:guest@127.0.0.1:5672/)",
     )
     p.add_argument("--no-rabbitmq", action="store_true", help="skip the rabbitmq mode")
+    p.add_argument("--no-kafka", action="store_true", help="skip the kafka mode (librdkafka's mock cluster)")
     add_scale_arguments(p)
     return p
 
@@ -262,6 +266,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                     emit_tracing_inject_us=traced["inject_us"],
                     **{f"emit_tracing_per_s_{kind}": rate for kind, rate in traced["rates"].items()},
                 )
+        if want("inbox"):
+            run_inbox(r.mode, out, scratch, transactions=sizes.emit_transactions, sqlite=not args.no_sqlite)
         if want("latency"):
             wake = r.mode(
                 "wake-up latency",
@@ -376,6 +382,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
             _nats_mode(r, args, scratch, sizes, settings)
         if want("rabbitmq") and not args.no_rabbitmq:
             _rabbitmq_mode(r, args, scratch, sizes, settings)
+        if want("kafka") and not args.no_kafka:
+            _kafka_mode(r, scratch, sizes, settings)
         if want("scale"):
             dashboard_ran = want("dashboard")  # the claim plans go after its plans in --explain
             scale_mode(r.mode, out, args, scratch, small=sizes.drain, settings=settings, append=dashboard_ran)
@@ -439,6 +447,25 @@ def _rabbitmq_mode(
         )
 
 
+def _kafka_mode(r: Run, scratch: Scratch, sizes: Sizes, settings: RelaySettings) -> None:
+    from .kafka import kafka_produce  # confluent-kafka only when this mode runs
+
+    out = r.result
+    figures = r.mode(
+        "Kafka produce (mock cluster)",
+        lambda: kafka_produce(scratch, count=sizes.broker, settings=settings),
+    )
+    out["messages_kafka"] = sizes.broker
+    if figures:
+        out.update(
+            kafka_raw_per_s=figures["raw_per_s"],
+            kafka_outbox_per_s=figures["outbox_per_s"],
+            kafka_ratio=figures["ratio"],
+            kafka_relay_cpu_us_per_msg=round(figures["relay_cpu_us_per_msg"], 1),
+            kafka_raw_cpu_us_per_msg=round(figures["raw_cpu_us_per_msg"], 1),
+        )
+
+
 def _dashboard_figures(out: dict[str, Any], board: dict[str, Any], explain: Path | None) -> None:
     out.update(
         dashboard_messages=board["messages"],
@@ -485,6 +512,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             verdict(None if tracing is None else tracing <= 1.05),
         )
     )
+    rows.extend(inbox_rows(out))
     rows.append(("2 drain, 1 relay", f"{_fmt(out.get('drain_per_s_1'), ',.0f')} msg/s", "", "-"))
     two_ok = out["drain_per_s_2"] > out["drain_per_s_1"] if known("drain_per_s_1", "drain_per_s_2") else None
     rows.append(
@@ -556,6 +584,19 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 f"msg/s, ratio {_fmt(ratio, '.2f')}; CPU relay / raw "
                 f"{_fmt(out.get('nats_relay_cpu_us_per_msg'), '.0f')} / "
                 f"{_fmt(out.get('nats_raw_cpu_us_per_msg'), '.0f')} us/msg",
+                "ratio >= 0.70",
+                rate_ratio_verdict(out, None if ratio is None else ratio >= 0.70),
+            )
+        )
+    if "messages_kafka" in out:
+        ratio = out.get("kafka_ratio")
+        rows.append(
+            (
+                "Kafka produce, mock cluster (outbox / raw)",
+                f"{_fmt(out.get('kafka_outbox_per_s'), ',.0f')} / {_fmt(out.get('kafka_raw_per_s'), ',.0f')} "
+                f"msg/s, ratio {_fmt(ratio, '.2f')}; CPU relay / raw "
+                f"{_fmt(out.get('kafka_relay_cpu_us_per_msg'), '.0f')} / "
+                f"{_fmt(out.get('kafka_raw_cpu_us_per_msg'), '.0f')} us/msg",
                 "ratio >= 0.70",
                 rate_ratio_verdict(out, None if ratio is None else ratio >= 0.70),
             )

@@ -1,13 +1,16 @@
-"""The Kafka publisher's producer session: one producer per event loop, its report thread, its outages.
+"""The Kafka publisher's producer: one per relay, with the thread that serves its delivery reports.
 
-A :class:`Session` owns one confluent-kafka ``Producer`` and the thread that
-serves its delivery reports (``poll()`` blocks, so it cannot run on the loop).
-It also keeps track of whether every broker is down: librdkafka reports
-``_ALL_BROKERS_DOWN`` through the error callback, but nothing when a broker is
-back, so while they are down a probe thread asks for the cluster's metadata
-every ``PROBE_INTERVAL`` seconds, and its first answer ends the outage
-(:class:`~outbox.integrations._broker_recovery.Recovery`: the messages parked
-on the cluster are released, in every relay).
+``poll()`` blocks, so it runs on a thread of its own; the reports one poll
+serves reach the relay's loop in one thread-safe call. librdkafka's logs and
+client errors are masked and rate-limited here; a fatal error marks the
+session, and the publisher replaces it at its next message.
+
+The session also keeps track of whether every broker is down: librdkafka
+reports ``_ALL_BROKERS_DOWN`` through the error callback, but nothing when a
+broker is back, so while they are down a probe thread asks for the cluster's
+metadata every ``PROBE_INTERVAL`` seconds, and its first answer ends the
+outage (:class:`~outbox.integrations._broker_recovery.Recovery`: the messages
+parked on the cluster are released, in every relay).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from outbox._redact import Redactor
 
 from ._broker_recovery import PROBE_INTERVAL, Recovery
 
-__all__ = ["ERROR_LOG_INTERVAL", "Session", "report"]
+__all__ = ["ERROR_LOG_INTERVAL", "Report", "Session"]
 
 log = logging.getLogger("outbox.integrations.kafka")
 _librdkafka_log = logging.getLogger("outbox.integrations.kafka.librdkafka")
@@ -49,20 +52,28 @@ class _Logger:
             _librdkafka_log.log(level, "%s", self._redactor.text(text))
 
 
+Report = tuple[KafkaError | None, int, int]  # a delivery report: error (None: written), partition, offset
+
+
 class Session:
     """One producer and the one thread that serves its delivery reports, for one relay (event loop).
 
-    ``poll()`` blocks, so it runs on a thread of its own; each report settles
-    its message's future on the loop that produced it, thread-safely.
+    ``poll()`` blocks, so it runs on a thread of its own. The reports one
+    ``poll()`` serves settle their messages' futures on the relay's loop in
+    one thread-safe call, not one wake-up of the loop per message.
     """
 
-    def __init__(self, config: dict[str, Any], redactor: Redactor, recovery: Recovery) -> None:
+    def __init__(
+        self, config: dict[str, Any], redactor: Redactor, loop: asyncio.AbstractEventLoop, recovery: Recovery
+    ) -> None:
         self.fatal: KafkaError | None = None
-        self._redactor = redactor
         self._recovery = recovery
         #: every broker is down: set by librdkafka's report, cleared by the probe's first answer
         self.away = False
         self._probe: threading.Thread | None = None
+        self._loop = loop
+        self._reports: list[tuple[asyncio.Future[Report], Report]] = []  # served, not yet handed over
+        self._redactor = redactor
         self._logged: dict[int, float] = {}
         self._refreshing: dict[str, threading.Thread] = {}
         self._refresh_lock = threading.Lock()
@@ -80,6 +91,20 @@ class Session:
                     self._on_error(exc.args[0])
             except Exception:  # never let the thread end: every waiting attempt would time out
                 log.exception("Kafka delivery report handling failed")
+            self._hand_over()
+
+    def report(self, future: asyncio.Future[Report], err: KafkaError | None, msg: Any) -> None:
+        """The delivery callback, on the thread that polls: noted, handed to the loop after the poll."""
+        self._reports.append((future, (err, msg.partition(), msg.offset())))
+
+    def _hand_over(self) -> None:
+        if not self._reports:
+            return
+        reports, self._reports = self._reports, []
+        try:
+            self._loop.call_soon_threadsafe(_settle, reports)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
 
     def _on_error(self, err: KafkaError) -> None:
         """Client-level errors (brokers down, authentication); each message's fate is in its own report."""
@@ -148,24 +173,13 @@ class Session:
         if left:
             self.producer.purge()  # their attempts have already timed out and will be retried
             self.producer.poll(0)
+        self._hand_over()
         self.producer.close()
         return left
 
 
-def report(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future[tuple[KafkaError | None, int, int]],
-    err: KafkaError | None,
-    msg: Any,
-) -> None:
-    """The delivery callback, on the report thread: hand the outcome to the waiting coroutine."""
-    outcome = (err, msg.partition(), msg.offset())
-
-    def settle() -> None:
+def _settle(reports: list[tuple[asyncio.Future[Report], Report]]) -> None:
+    """On the loop: each report to the coroutine waiting for it."""
+    for future, report in reports:
         if not future.done():  # the attempt may have timed out or been cancelled meanwhile
-            future.set_result(outcome)
-
-    try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        pass
+            future.set_result(report)

@@ -1,4 +1,4 @@
-"""What ``NatsPublisher`` asks JetStream about streams: the duplicate-window check, and an unanswered publish.
+"""The duplicate-window check of ``NatsPublisher``: does the stream still drop a late retry's copy?
 
 A publish JetStream stored but the relay never recorded (it crashed, or the
 ack was lost) is published again by the retry. JetStream drops that copy only
@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
-import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from outbox import PermanentError, RetryLater
-
-__all__ = ["WindowCheck", "check_window", "no_stream"]
+__all__ = ["WindowCheck", "check_window"]
 
 log = logging.getLogger("outbox.integrations.nats")
 
@@ -69,36 +65,3 @@ async def check_window(
         extra={"action": "nats_window_ok", "handler": check.route, "stream": stream},
     )
     return None
-
-
-async def no_stream(
-    js: JetStreamContext, subject: str, stream: str | None, base: dict[str, Any], *, retry_in: float
-) -> Exception:
-    """No responder: no stream captures the subject (dead), or JetStream is not up yet (retried).
-
-    A server that has just restarted accepts connections before it has
-    recovered its streams; asking the JetStream API tells the two apart.
-    """
-    try:
-        found = await js.find_stream_name_by_subject(subject)
-    except nats.js.errors.NotFoundError:
-        wanted = f" in stream {stream!r}" if stream else ""
-        return PermanentError(
-            f"no JetStream stream captures subject {subject!r}{wanted}: create or extend the "
-            "stream, then requeue the dead messages",
-            detail={**base, "reason": "no_stream"},
-        )
-    except (nats.errors.Error, OSError, TimeoutError) as exc:
-        return RetryLater(
-            f"JetStream did not answer for {subject!r} ({type(exc).__name__}); not available yet? "
-            "not counted",
-            delay=retry_in,
-            counts_as_attempt=False,
-            detail={**base, "reason": "jetstream_unavailable"},
-        )
-    return RetryLater(
-        f"stream {found!r} captures {subject!r} but did not answer the publish; recovering? not counted",
-        delay=retry_in,
-        counts_as_attempt=False,
-        detail={**base, "reason": "jetstream_unavailable"},
-    )

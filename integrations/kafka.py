@@ -36,6 +36,12 @@ once, in every relay. librdkafka reconnects meanwhile, at most a second apart
 (``reconnect.backoff.max.ms`` defaults to 1000 here), and a message it still
 holds from before the outage goes out as soon as it has.
 
+The relay hands the publisher a claim's messages at once
+(``outbox_deliver_batch``): all of them are produced first, so librdkafka
+batches them on the wire, and their delivery reports are awaited together,
+under one ``delivery_timeout``. Each report decides its own message's outcome;
+a batch claimed while every broker is down is parked whole, none of it produced.
+
 An unknown topic and a refused authorization are retried, not dead: both are
 fixed on the cluster (create the topic, grant the ACL), often by a deploy that
 has not finished yet, and the message is still good. ``max_attempts`` bounds
@@ -51,7 +57,7 @@ import math
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -67,8 +73,7 @@ from ._kafka_config import (
     secret_values,
     validate_with_librdkafka,
 )
-from ._kafka_session import Session as _Session
-from ._kafka_session import report as _report
+from ._kafka_session import Report, Session
 
 if TYPE_CHECKING:
     from outbox._breaker_board import BreakerBoard
@@ -177,7 +182,7 @@ class KafkaPublisher:
         self._config = producer_config(config, self.delivery_timeout)
         self._redactor = Redactor(self.outbox_secrets())
         validate_with_librdkafka(self._config, self._redactor)
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Session] = (
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Session] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
@@ -228,7 +233,7 @@ class KafkaPublisher:
             await self._close(session)
         await asyncio.gather(*replaced)  # producers replaced after a fatal error, still closing
 
-    async def _close(self, session: _Session) -> None:
+    async def _close(self, session: Session) -> None:
         left = await asyncio.to_thread(session.close, self.delivery_timeout)
         if left:
             log.warning(
@@ -237,7 +242,7 @@ class KafkaPublisher:
 
     # -- delivery -----------------------------------------------------------------------
 
-    def _session(self) -> _Session:
+    def _session(self) -> Session:
         loop = asyncio.get_running_loop()
         with self._lock:
             session = self._sessions.get(loop)
@@ -247,7 +252,7 @@ class KafkaPublisher:
                 task = loop.create_task(self._close(session))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            session = self._sessions[loop] = _Session(self._config, self._redactor, self._recovery)
+            session = self._sessions[loop] = Session(self._config, self._redactor, loop, self._recovery)
             return session
 
     def _topic_of(self, message: Message) -> str:
@@ -260,71 +265,116 @@ class KafkaPublisher:
         return topic
 
     async def __call__(self, message: Message) -> dict[str, Any]:
-        topic = self._topic_of(message)
-        env = envelope(message, source=self.source)
+        """Produce one message and wait for its delivery report: the batch path with a batch of one."""
+        (outcome,) = await self._produce_all([message])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        """Produce every message, then wait for all their delivery reports together.
+
+        One outcome per message, in order: topic, partition and offset once
+        Kafka acknowledged it, else the exception its attempt ends with (see
+        the module's table). ``delivery_timeout`` bounds the whole batch's wait.
+        """
+        return await self._produce_all(messages)
+
+    async def _produce_all(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        outcomes: list[dict[str, Any] | Exception] = []
+        waiting: list[tuple[int, str, asyncio.Future[Report]]] = []
         session = self._session()
-        if session.away and self._recovery.parks:  # nothing is produced while every broker is down
-            raise self._recovery.parked("every broker is down", {"reason": "unavailable", "topic": topic})
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[KafkaError | None, int, int]] = loop.create_future()
+        for index, message in enumerate(messages):
+            try:
+                topic = self._topic_of(message)
+            except PermanentError as exc:
+                outcomes.append(exc)
+                continue
+            if session.away and self._recovery.parks:  # nothing is produced while every broker is down
+                outcomes.append(
+                    self._recovery.parked("every broker is down", {"reason": "unavailable", "topic": topic})
+                )
+                continue
+            env = envelope(message, source=self.source)
+            future: asyncio.Future[Report] = loop.create_future()
+            try:
+                session.producer.produce(
+                    topic,
+                    value=env.body,
+                    key=None if env.key is None else env.key.encode(),
+                    headers=[(name, value.encode()) for name, value in env.headers.items()],
+                    on_delivery=functools.partial(session.report, future),
+                )
+            except BufferError:
+                outcomes.append(
+                    RetryLater(
+                        "the Kafka producer's local queue is full; not counted",
+                        delay=UNAVAILABLE_RETRY,
+                        counts_as_attempt=False,
+                        detail={"reason": "queue_full", "topic": topic},
+                    )
+                )
+                continue
+            except KafkaException as exc:
+                outcomes.append(self._refusal(exc.args[0], topic, session))
+                continue
+            outcomes.append({"topic": topic})
+            waiting.append((index, topic, future))
+        if not waiting:
+            return outcomes
         try:
-            session.producer.produce(
-                topic,
-                value=env.body,
-                key=None if env.key is None else env.key.encode(),
-                headers=[(name, value.encode()) for name, value in env.headers.items()],
-                on_delivery=functools.partial(_report, loop, future),
+            await asyncio.wait(
+                [future for *_, future in waiting], timeout=self.delivery_timeout + REPORT_GRACE
             )
-        except BufferError:
-            raise RetryLater(
-                "the Kafka producer's local queue is full; not counted",
-                delay=UNAVAILABLE_RETRY,
-                counts_as_attempt=False,
-                detail={"reason": "queue_full", "topic": topic},
-            ) from None
-        except KafkaException as exc:
-            self._refused(exc.args[0], topic, session)
-        try:
-            async with asyncio.timeout(self.delivery_timeout + REPORT_GRACE):
-                err, partition, offset = await future
-        except TimeoutError:
-            if session.away and self._recovery.parks:
-                raise self._recovery.parked(
+        finally:  # reports that never came, or this call cancelled: nobody waits for them any more
+            for *_, future in waiting:
+                future.cancel()
+        for index, topic, future in waiting:
+            if future.cancelled() and session.away and self._recovery.parks:
+                outcomes[index] = self._recovery.parked(
                     f"no delivery report within {self.delivery_timeout:g}s, every broker is down",
                     {"reason": "timeout", "topic": topic},
-                ) from None
-            raise RetryLater(
-                f"no delivery report from Kafka within {self.delivery_timeout:g}s "
-                "(brokers unreachable or not taking writes); not counted",
-                delay=UNAVAILABLE_RETRY,
-                counts_as_attempt=False,
-                detail={"reason": "timeout", "topic": topic},
-            ) from None
-        if err is not None:
-            self._refused(err, topic, session)
-        return {"topic": topic, "partition": partition, "offset": offset}
+                )
+                continue
+            if future.cancelled():
+                outcomes[index] = RetryLater(
+                    f"no delivery report from Kafka within {self.delivery_timeout:g}s "
+                    "(brokers unreachable or not taking writes); not counted",
+                    delay=UNAVAILABLE_RETRY,
+                    counts_as_attempt=False,
+                    detail={"reason": "timeout", "topic": topic},
+                )
+                continue
+            err, partition, offset = future.result()
+            if err is None:
+                outcomes[index] = {"topic": topic, "partition": partition, "offset": offset}
+            else:
+                outcomes[index] = self._refusal(err, topic, session)
+        return outcomes
 
-    def _refused(self, err: object, topic: str, session: _Session) -> NoReturn:
+    def _refusal(self, err: object, topic: str, session: Session) -> Exception:
+        """What one message's attempt ends with, given the error its produce or its report gave."""
         if not isinstance(err, KafkaError):
-            raise RetryLater(f"Kafka producer error: {err}", detail={"topic": topic})
+            return RetryLater(f"Kafka producer error: {err}", detail={"topic": topic})
         detail = {"topic": topic, "error": err.name()}
         text = f"Kafka did not take the message for {topic}: {err.name()}: {err.str()}"
         if err.fatal() or err.code() == KafkaError._FATAL or session.fatal is not None:
             session.fatal = session.fatal or err
-            raise RetryLater(text, detail={**detail, "reason": "fatal"})
+            return RetryLater(text, detail={**detail, "reason": "fatal"})
         if err.code() in _PERMANENT:
-            raise PermanentError(text, detail=detail)
+            return PermanentError(text, detail=detail)
         if err.code() in _TOPIC_STATE:
             session.refresh(topic)
         if err.code() in UNAVAILABLE:
             if session.away and self._recovery.parks:
-                raise self._recovery.parked(
+                return self._recovery.parked(
                     f"{text}; every broker is down", {**detail, "reason": "unavailable"}
                 )
-            raise RetryLater(
+            return RetryLater(
                 f"{text}; not counted",
                 delay=UNAVAILABLE_RETRY,
                 counts_as_attempt=False,
                 detail={**detail, "reason": "unavailable"},
             )
-        raise RetryLater(text, detail=detail)
+        return RetryLater(text, detail=detail)

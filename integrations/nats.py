@@ -37,6 +37,13 @@ was never made, a message is parked on the servers
 first success of a probe when the relay started during the outage, sends
 every message parked on them at once, in every relay.
 
+The relay hands the publisher a claim's messages at once
+(``outbox_deliver_batch``): each is published with a reply subject of its own
+under one subscription (``_nats_acks.py``), and their acks are awaited
+together under one ``publish_timeout``, instead of one request, timer and wait
+per message. Each ack, or its absence, decides its own message's outcome, as
+in the table (``_nats_answers.py``).
+
 Before the relay claims anything, ``outbox_start`` compares the stream's
 ``duplicate_window`` with the route's longest retry gap (see
 ``outbox.relay.hooks``): a retry that comes later than the window is stored
@@ -58,6 +65,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater, Route
@@ -67,9 +75,11 @@ if TYPE_CHECKING:
     from outbox._breaker_board import BreakerBoard
 
 from ._broker_recovery import Probe, Recovery
-from ._envelope import RoutingTemplate, envelope
+from ._envelope import Envelope, RoutingTemplate, envelope
+from ._nats_acks import AckInbox, read_ack
+from ._nats_answers import RECONNECT_WAIT, Answers, with_base
 from ._nats_config import BAD_STREAM, BAD_SUBJECT, RESERVED_OPTIONS, SECRET_OPTIONS, STATIC, check_servers
-from ._nats_window import WindowCheck, check_window, no_stream
+from ._nats_window import WindowCheck, check_window
 from ._per_loop import PerLoop
 
 __all__ = ["NatsPublisher"]
@@ -78,18 +88,6 @@ log = logging.getLogger("outbox.integrations.nats")
 
 #: How long a route whose window check failed under ``on_short_window="refuse"`` waits between tries.
 BLOCKED_RETRY = 60.0
-#: Seconds between reconnection attempts, and before a delivery that found the connection down is retried.
-RECONNECT_WAIT = 1.0
-#: The connection is down or going down: a publish that fails with these says nothing about the message.
-_CONNECTION_ERRORS: tuple[type[Exception], ...] = (
-    OSError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.ConnectionDrainingError,
-    nats.errors.NoServersError,
-    nats.errors.StaleConnectionError,
-    nats.errors.OutboundBufferLimitError,
-)
 
 
 @dataclass(slots=True)
@@ -98,6 +96,7 @@ class _Link:
 
     client: Client | None = None
     js: JetStreamContext | None = None
+    acks: AckInbox | None = None  # the client's reply subscription for acks
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one connect at a time
     check_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one deferred window check
     probe: Probe = field(default_factory=Probe)  # the first connect, retried while the servers are away
@@ -158,11 +157,12 @@ class NatsPublisher:
             raise ConfigurationError(f"connect_options may not set {', '.join(reserved)}: NatsPublisher does")
         self._options = options
         self._redactor = Redactor(self.outbox_secrets())
+        hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
+        self._recovery = Recovery(f"nats://{hosts}", f"NATS at {hosts}")
+        self._answers = Answers(self.publish_timeout, self.stream, self._text, self._recovery)
         self._links: PerLoop[_Link] = PerLoop(_Link)
         self._deferred: dict[str, WindowCheck] = {}  # window checks NATS was not reachable for at start
         self._blocked: dict[str, str] = {}  # route -> why it may not publish ("refuse", found late)
-        hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
-        self._recovery = Recovery(f"nats://{hosts}", f"NATS at {hosts}")
 
     @property
     def destination(self) -> str:
@@ -189,6 +189,12 @@ class NatsPublisher:
     async def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
         """Compare the stream's duplicate window with the route's longest retry gap, once, at start."""
         check = WindowCheck(route.name, longest_retry_gap, self._route_subject(route))
+        if check.subject is None and self.stream is None and self.on_short_window == "refuse":
+            # Only a pattern route gets here: a subject that varies anyway was refused when built.
+            raise ConfigurationError(
+                f"route {route.name!r}: on_short_window='refuse' needs stream=...: its event type "
+                f"{route.event_type!r} is a pattern, so subject {self.subject!r} varies per message"
+            )
         try:
             await self._check_window(check, at_start=True)
         except (OSError, TimeoutError, nats.errors.Error, RetryLater) as exc:
@@ -215,108 +221,137 @@ class NatsPublisher:
     # -- delivery -----------------------------------------------------------------------
 
     async def __call__(self, message: Message) -> dict[str, Any]:
+        """Publish one message and wait for its ack: the batch path with a batch of one."""
+        (outcome,) = await self._publish_all([message])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        """Publish every message at once, then wait for their JetStream acks together.
+
+        One outcome per message, in order: its detail once JetStream acked it,
+        else the exception its attempt ends with (see the module's table).
+        ``publish_timeout`` bounds the wait for the whole batch's acks.
+        """
+        return await self._publish_all(messages)
+
+    async def _publish_all(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        outcomes: list[dict[str, Any] | Exception] = []
+        ready: list[tuple[int, str, Envelope]] = []
+        for route in dict.fromkeys(message.handler for message in messages) if self._deferred else ():
+            await self._deferred_check(route)
+        for index, message in enumerate(messages):
+            try:
+                subject, env = self._prepare(message)
+            except (PermanentError, RetryLater) as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append({})
+            ready.append((index, subject, env))
+        if not ready:
+            return outcomes
+        try:
+            client, js, acks = await self._connection()
+        except RetryLater as exc:  # nothing sent to anyone
+            return [exc if isinstance(o, dict) else o for o in outcomes]
+        except (OSError, nats.errors.Error) as exc:  # the ack subscription could not be made
+            lost = self._answers.down(
+                f"connection lost before publishing: {type(exc).__name__}: {self._text(exc)}; nothing sent",
+                {"reason": "connection"},
+            )
+            return [lost if isinstance(o, dict) else o for o in outcomes]
+        if not client.is_connected:
+            # Nothing was sent, and the outage says nothing about the messages: not an attempt.
+            down = self._answers.down(
+                "connection is down (reconnecting); nothing sent", {"reason": "disconnected"}
+            )
+            return [down if isinstance(o, dict) else o for o in outcomes]
+        waiting: list[tuple[int, str, str, str, asyncio.Future[Msg]]] = []
+        for index, subject, env in ready:
+            headers = {**env.headers, "Nats-Msg-Id": env.dedupe_id}
+            if self.stream is not None:
+                headers["Nats-Expected-Stream"] = self.stream
+            reply, future = acks.expect()
+            try:
+                await client.publish(subject, env.body, reply=reply, headers=headers)
+            except Exception as exc:
+                acks.forget(reply)
+                outcomes[index] = self._answers.refusal(exc, client, subject, env.dedupe_id)
+                continue
+            waiting.append((index, subject, env.dedupe_id, reply, future))
+        if waiting:
+            try:
+                await asyncio.wait([future for *_, future in waiting], timeout=self.publish_timeout)
+            finally:  # acked, timed out, or this call cancelled: no future is left waiting
+                for *_, reply, future in waiting:
+                    acks.forget(reply)
+                    future.cancel()
+        no_stream: dict[str, Exception] = {}
+        for index, subject, dedupe_id, _, future in waiting:
+            base = {"subject": subject, "msg_id": dedupe_id}
+            try:
+                if future.cancelled():
+                    raise TimeoutError
+                ack = read_ack(future.result())
+            except nats.js.errors.NoStreamResponseError:
+                if subject not in no_stream:  # asked once per subject and batch
+                    no_stream[subject] = await self._answers.no_stream(js, subject)
+                outcomes[index] = with_base(no_stream[subject], base)
+            except Exception as exc:
+                outcomes[index] = self._answers.refusal(exc, client, subject, dedupe_id)
+            else:
+                outcomes[index] = {**base, "stream": ack.stream, "seq": ack.seq, "duplicate": ack.duplicate}
+        return outcomes
+
+    def _prepare(self, message: Message) -> tuple[str, Envelope]:
+        """The subject and envelope of a message this route may publish now; what refuses it, raised."""
         subject = self._subject.render(message)
         if BAD_SUBJECT.search(subject):
             raise PermanentError(f"NATS subject {subject!r} is not valid", detail={"reason": "bad_subject"})
         env = envelope(message, source=self.source)
-        if self._deferred:
-            await self._deferred_check(message.handler)
         blocked = self._blocked.get(message.handler)
         if blocked is not None:
             raise RetryLater(
                 blocked, delay=BLOCKED_RETRY, counts_as_attempt=False, detail={"reason": "window_short"}
             )
-        client, js = await self._connection()
-        if not client.is_connected:
-            # Nothing was sent, and the outage says nothing about the message: not an attempt.
-            raise self._down("connection is down (reconnecting); nothing sent", {"reason": "disconnected"})
-        headers = {**env.headers, "Nats-Msg-Id": env.dedupe_id}
-        base = {"subject": subject, "msg_id": env.dedupe_id}
-        try:
-            # The request's own timeout bounds the wait for the ack (no second timer per message).
-            ack = await js.publish(
-                subject, env.body, timeout=self.publish_timeout, stream=self.stream, headers=headers
-            )
-        except nats.js.errors.NoStreamResponseError:
-            raise await no_stream(js, subject, self.stream, base, retry_in=RECONNECT_WAIT) from None
-        except TimeoutError:
-            if not client.is_connected:  # the connection went down meanwhile: nothing known of the message
-                raise self._down(
-                    f"no JetStream ack for {subject!r}: the connection went down",
-                    {**base, "reason": "disconnected"},
-                ) from None
-            raise RetryLater(
-                f"no JetStream ack for {subject!r} within {self.publish_timeout:g}s",
-                detail={**base, "reason": "ack_timeout"},
-            ) from None
-        except nats.js.errors.APIError as exc:
-            detail = {**base, "code": exc.code, "err_code": exc.err_code}
-            if exc.code == 400:
-                raise PermanentError(
-                    f"JetStream refused {subject!r}: {exc.description}", detail=detail
-                ) from None
-            raise RetryLater(f"JetStream error for {subject!r}: {exc.description}", detail=detail) from None
-        except nats.errors.MaxPayloadError:
-            raise PermanentError(
-                f"message is larger than the server's max_payload ({client.max_payload} bytes)",
-                detail={**base, "reason": "too_large"},
-            ) from None
-        except _CONNECTION_ERRORS as exc:
-            why = f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}"
-            if not client.is_connected:
-                raise self._down(why, {**base, "reason": "connection"}) from None
-            raise RetryLater(
-                f"{why}; not counted",
-                delay=RECONNECT_WAIT,
-                counts_as_attempt=False,
-                detail={**base, "reason": "connection"},
-            ) from None
-        except nats.errors.Error as exc:
-            raise RetryLater(
-                f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}",
-                detail={**base, "reason": "error"},
-            ) from None
-        return {**base, "stream": ack.stream, "seq": ack.seq, "duplicate": bool(ack.duplicate)}
+        return subject, env
 
     # -- connection ---------------------------------------------------------------------
 
     def _link(self) -> _Link:
         return self._links.get()
 
-    def _down(self, why: str, detail: dict[str, Any]) -> RetryLater:
-        """The deferral while the connection is down: parked in a relay (the reconnect releases it)."""
-        if self._recovery.parks:
-            return self._recovery.parked(why, detail)
-        return RetryLater(
-            f"NATS {why}; not counted", delay=RECONNECT_WAIT, counts_as_attempt=False, detail=detail
-        )
-
-    async def _connection(self) -> tuple[Client, JetStreamContext]:
+    async def _connection(self) -> tuple[Client, JetStreamContext, AckInbox]:
         """The loop's connection, opened on first use (and again if nats-py ever closed it)."""
         link = self._link()
-        if link.client is None or link.js is None or link.client.is_closed:
+        if _unopened(link):
             if link.probe.away and self._recovery.parks:
-                raise self._down("not reachable yet (a probe tries every second)", {"reason": "connect"})
+                raise self._answers.down(
+                    "not reachable yet (a probe tries every second)", {"reason": "connect"}
+                )
             async with link.lock:
-                if link.client is None or link.js is None or link.client.is_closed:
+                if _unopened(link):
                     try:
                         await self._open(link)
                     except RetryLater as exc:
                         if not self._recovery.parks:
                             raise
                         link.probe.start(self._recovery, str(exc), lambda: self._reopen(link))
-                        raise self._down(str(exc), {"reason": "connect"}) from None
-        assert link.client is not None and link.js is not None
-        return link.client, link.js
+                        raise self._answers.down(str(exc), {"reason": "connect"}) from None
+        assert link.client is not None and link.js is not None and link.acks is not None
+        await link.acks.ready()
+        return link.client, link.js, link.acks
 
     async def _open(self, link: _Link) -> None:
         client = await self._connect()
-        link.client, link.js = client, client.jetstream(timeout=self.publish_timeout)
+        link.client, link.acks = client, AckInbox(client)
+        link.js = client.jetstream(timeout=self.publish_timeout)
 
     async def _reopen(self, link: _Link) -> None:
         """The probe's one try, while no connection was ever made (nats-py reconnects an open one)."""
         async with link.lock:
-            if link.client is None or link.js is None or link.client.is_closed:
+            if _unopened(link):
                 await self._open(link)
 
     async def _connect(self) -> Client:
@@ -368,7 +403,9 @@ class NatsPublisher:
     # -- duplicate window -----------------------------------------------------------------
 
     def _route_subject(self, route: Route) -> str | None:
-        if not set(self._subject.fields) <= STATIC:
+        fields = set(self._subject.fields)
+        # A pattern route's event type is each message's own: its subject varies like aggregate fields do.
+        if not fields <= STATIC or (route.pattern and "event_type" in fields):
             return None
         return self.subject.format(event_type=route.event_type, handler=route.name)
 
@@ -385,7 +422,7 @@ class NatsPublisher:
     async def _check_window(self, check: WindowCheck, *, at_start: bool) -> None:
         if check.gap <= 0:  # max_attempts=1: the relay never retries, only a requeue does
             return
-        _, js = await self._connection()
+        _, js, _ = await self._connection()
         short = await check_window(js, check, stream=self.stream, subject=self.subject)
         if short is None:
             return
@@ -400,3 +437,8 @@ class NatsPublisher:
             short,
             extra={"action": "nats_window_short", "handler": check.route, "longest_retry_gap": check.gap},
         )
+
+
+def _unopened(link: _Link) -> bool:
+    """No connection yet on this loop (or nats-py closed it for good): the next delivery opens one."""
+    return link.client is None or link.js is None or link.acks is None or link.client.is_closed

@@ -34,20 +34,28 @@ reconnect probe per relay, once a second, whose success sends every message
 parked on the broker at once; messages claimed meanwhile park without a
 connection attempt each. Outside a relay nothing parks: such deferrals wait a
 second, then a quarter of the outage so far, at most ``OUTAGE_RETRY_CAP``
-seconds. A broker that takes the connection but withholds confirms (a memory
-or disk alarm) is not parked: nothing would tell its end.
+seconds (``_rabbitmq_link.py``). A broker that takes the connection but
+withholds confirms (a memory or disk alarm) is not parked: nothing would tell
+its end.
+
+The relay hands the publisher a claim's messages at once
+(``outbox_deliver_batch``): all of them go out on the channel together and
+their confirms are awaited together, under one ``publish_timeout``. Each
+message's confirm, return or nack decides its own outcome alone, as in the
+table; a lost connection parks the messages it left unconfirmed.
 
 Returns are matched to publishes by AMQP ``message_id`` (the client's rule), and
 one event published by several routes shares its ``message_id`` (the
 ``ce-id``): two publishes with the same id are never in flight at once on one
-channel, so a return always reaches the publish it belongs to.
+channel (a second one waits for the first, even within a batch), so a return
+always reaches the publish it belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import aio_pika
 import aiormq
@@ -60,8 +68,7 @@ from outbox import ConfigurationError, Message, PermanentError, RetryLater
 from ._broker_recovery import Recovery
 from ._envelope import RoutingTemplate, envelope
 from ._per_loop import PerLoop
-from ._rabbitmq_link import Link as _Link
-from ._rabbitmq_link import close_quietly as _close_quietly
+from ._rabbitmq_link import Away, Link, Unreachable, close_quietly, connection_lost
 
 if TYPE_CHECKING:
     from outbox._breaker_board import BreakerBoard
@@ -161,7 +168,7 @@ class RabbitMQPublisher:
         if on_unroutable not in _UNROUTABLE:
             raise ConfigurationError(f"on_unroutable must be 'dead' or 'retry', got {on_unroutable!r}")
         self.on_unroutable = on_unroutable
-        self._links: PerLoop[_Link] = PerLoop(lambda: _Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
+        self._links: PerLoop[Link] = PerLoop(lambda: Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
         port = self._url.port or (5671 if self._url.scheme == "amqps" else 5672)
         self._recovery = Recovery(
             f"{self._url.scheme}://{self._url.host}:{port}{self._url.raw_path or '/'}",
@@ -211,6 +218,73 @@ class RabbitMQPublisher:
     # -- delivery -----------------------------------------------------------------------
 
     async def __call__(self, message: Message) -> dict[str, Any]:
+        """Publish one message and wait for its confirm: the batch path with a batch of one."""
+        (outcome,) = await self._publish_all([message])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        """Publish every message on the channel at once, then wait for their confirms together.
+
+        One outcome per message, in order: its detail once the broker confirmed
+        it, else the exception its attempt ends with (see the module's table).
+        ``publish_timeout`` bounds connecting plus the wait for the whole batch.
+        """
+        return await self._publish_all(messages)
+
+    async def _publish_all(self, messages: list[Message]) -> list[dict[str, Any] | Exception]:
+        outcomes: list[dict[str, Any] | Exception] = []
+        ready: list[tuple[int, _Publish]] = []
+        for index, message in enumerate(messages):
+            try:
+                publish = self._prepare(message)
+            except PermanentError as exc:  # a routing template this message cannot fill
+                outcomes.append(exc)
+                continue
+            outcomes.append(publish.detail)
+            ready.append((index, publish))
+        if not ready:
+            return outcomes
+        link = self._link()
+        if link.probe.away and self._recovery.parks:  # the probe is on it: no connection attempt
+            for index, publish in ready:
+                outcomes[index] = self._refusal(Away(), link, publish, link.generation)
+            return outcomes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.publish_timeout
+        connection: AbstractConnection | None = None
+        generation = link.generation
+        try:
+            async with asyncio.timeout_at(deadline):
+                exchange, connection = await self._open(link)
+        except Exception as exc:
+            if connection_lost(exc):
+                await link.drop(connection)
+            if isinstance(exc, TimeoutError):  # no connection within the time: unreachable, not blocked
+                exc = Unreachable(f"no connection within {self.publish_timeout:g}s")
+            for index, publish in ready:
+                outcomes[index] = self._refusal(exc, link, publish, generation)
+            return outcomes
+        generation = link.generation
+        tasks = [asyncio.ensure_future(self._confirmed(link, exchange, publish)) for _, publish in ready]
+        try:
+            _, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+        finally:  # the route's timeout or a stop cancels this call: no publish is left behind
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failures = [TimeoutError() if t in late or t.cancelled() else t.exception() for t in tasks]
+        if any(connection_lost(failure) for failure in failures):
+            await link.drop(connection)  # once: the next call reconnects
+        elif None in failures:
+            link.down_since = None
+        for (index, publish), failure in zip(ready, failures, strict=True):
+            if failure is not None:
+                outcomes[index] = self._refusal(failure, link, publish, generation)
+        return outcomes
+
+    def _prepare(self, message: Message) -> _Publish:
         routing_key = self.routing_key.render(message)
         env = envelope(message, source=self.source)
         amqp = aio_pika.Message(
@@ -223,21 +297,25 @@ class RabbitMQPublisher:
             correlation_id=None if self.correlation_id is None else self.correlation_id.render(message),
             type=message.event_type,
         )
-        detail: dict[str, Any] = {"exchange": self.exchange, "routing_key": routing_key}
-        link = self._link()
-        if link.probe.away and self._recovery.parks:
-            raise self._recovery.parked("away, reconnecting", {**detail, "reason": "connection"})
-        connection: AbstractConnection | None = None
-        generation = link.generation
-        turn: asyncio.Future[None] | None = None
+        return _Publish(amqp, routing_key, env.id, {"exchange": self.exchange, "routing_key": routing_key})
+
+    @staticmethod
+    async def _confirmed(link: Link, exchange: AbstractExchange, publish: _Publish) -> None:
+        """Publish once no other publish with the same AMQP message_id is in flight; wait for the confirm."""
+        turn = await link.one_at_a_time(publish.message_id)
         try:
-            async with asyncio.timeout(self.publish_timeout):
-                exchange, connection = await self._open(link)
-                generation = link.generation
-                turn = await link.one_at_a_time(env.id)
-                await exchange.publish(amqp, routing_key, mandatory=True)
-            link.down_since = None
-        except PublishError as exc:
+            await exchange.publish(publish.amqp, publish.routing_key, mandatory=True)
+        finally:
+            if not turn.done():
+                turn.set_result(None)
+
+    def _refusal(self, exc: BaseException, link: Link, publish: _Publish, generation: int) -> Exception:
+        """What one message's attempt ends with, given what its connect or publish raised.
+
+        ``generation``: the link's connection the attempt used (or tried to make).
+        """
+        detail, routing_key = publish.detail, publish.routing_key
+        if isinstance(exc, PublishError):
             reply = None if exc.message is None else exc.message.delivery
             code, text = getattr(reply, "reply_code", None), getattr(reply, "reply_text", None)
             why = (
@@ -246,46 +324,41 @@ class RabbitMQPublisher:
             )
             facts = {**detail, "reason": "unroutable", "reply_code": code, "reply_text": text}
             if self.on_unroutable == "retry":
-                raise RetryLater(why, detail=facts) from None
-            raise PermanentError(why, detail=facts) from None
-        except DeliveryError as exc:
-            raise RetryLater(
+                return RetryLater(why, detail=facts)
+            return PermanentError(why, detail=facts)
+        if isinstance(exc, DeliveryError):
+            return RetryLater(
                 f"the broker refused the message ({exc.frame.name}): a queue bound to {self.exchange!r} "
                 "is full and rejects publishes, or the broker failed to store it",
                 detail={**detail, "reason": "nacked"},
-            ) from None
-        except _Away:
-            raise self._recovery.parked("away, reconnecting", {**detail, "reason": "connection"}) from None
-        except TimeoutError:
-            if connection is None:  # no connection within the time: unreachable, not blocked
-                raise self._unavailable(
-                    link, generation, detail, f"no connection within {self.publish_timeout:g}s"
-                ) from None
-            raise RetryLater(
+            )
+        if isinstance(exc, TimeoutError):
+            return RetryLater(
                 f"no confirm from {self.url} within {self.publish_timeout:g}s "
                 "(broker blocked, e.g. a memory or disk alarm, or unreachable); not counted",
                 delay=link.outage_delay(),
                 counts_as_attempt=False,
                 detail={**detail, "reason": "timeout"},
-            ) from None
-        except _ExchangeMissing as exc:
-            raise RetryLater(str(exc), detail={**detail, "reason": "exchange_missing"}) from None
-        except (aiormq.exceptions.AMQPError, ConnectionError, OSError, RuntimeError) as exc:
-            # RuntimeError: aiormq's ChannelInvalidStateError when the channel closed under us.
-            await link.drop(connection)
+            )
+        if isinstance(exc, _ExchangeMissing):
+            return RetryLater(str(exc), detail={**detail, "reason": "exchange_missing"})
+        if isinstance(exc, Away):
+            return self._recovery.parked("away, reconnecting", {**detail, "reason": "connection"})
+        if isinstance(exc, Unreachable):
+            return self._unavailable(link, generation, detail, str(exc))
+        if connection_lost(exc):  # the caller dropped the connection
             why = f"{type(exc).__name__}: {self._scrub(str(exc))}"
-            raise self._unavailable(link, generation, detail, why) from None
-        finally:
-            if turn is not None and not turn.done():
-                turn.set_result(None)
-        return detail
+            return self._unavailable(link, generation, detail, why)
+        if isinstance(exc, Exception):
+            return exc  # not the broker's answer: the relay records it as the handler's failure
+        raise exc  # SystemExit and the like: what this call must not swallow
 
-    def _link(self) -> _Link:
+    def _link(self) -> Link:
         return self._links.get()
 
     # -- outages ------------------------------------------------------------------------
 
-    def _unavailable(self, link: _Link, generation: int, detail: dict[str, Any], why: str) -> RetryLater:
+    def _unavailable(self, link: Link, generation: int, detail: dict[str, Any], why: str) -> RetryLater:
         """The deferral of a publish that found the broker unreachable or lost the connection."""
         facts = {**detail, "reason": "connection"}
         if not self._recovery.parks:
@@ -306,7 +379,7 @@ class RabbitMQPublisher:
         link.probe.start(self._recovery, why, lambda: self._reconnect(link))
         return self._recovery.parked(why, facts)
 
-    async def _reconnect(self, link: _Link) -> None:
+    async def _reconnect(self, link: Link) -> None:
         """The probe's one try: connect (no exchange yet is still a broker that answers)."""
         async with asyncio.timeout(min(self.publish_timeout, _CONNECT_TIMEOUT)):
             async with link.lock:
@@ -318,19 +391,19 @@ class RabbitMQPublisher:
                         pass  # the publishes that follow say what is missing
         link.down_since = None
 
-    async def _open(self, link: _Link) -> tuple[AbstractExchange, AbstractConnection]:
+    async def _open(self, link: Link) -> tuple[AbstractExchange, AbstractConnection]:
         """The loop's exchange handle, connecting first if there is none or the old one is closed."""
         if not link.usable():
             async with link.lock:
                 if not link.usable():
                     if link.probe.away and self._recovery.parks:
-                        raise _Away  # the probe is on it: no connection attempt per message
+                        raise Away  # the probe is on it: no connection attempt per message
                     await link.drop()
                     await self._connect(link)
         assert link.exchange is not None and link.connection is not None
         return link.exchange, link.connection
 
-    async def _connect(self, link: _Link) -> None:
+    async def _connect(self, link: Link) -> None:
         connection = await aio_pika.connect(
             self._raw_url,
             timeout=min(self.publish_timeout, _CONNECT_TIMEOUT),
@@ -355,7 +428,7 @@ class RabbitMQPublisher:
             else:
                 exchange = channel.default_exchange
         except BaseException:
-            await _close_quietly(connection, link.close_timeout)
+            await close_quietly(connection, link.close_timeout)
             raise
         link.connection, link.channel, link.exchange = connection, channel, exchange
         link.generation += 1
@@ -365,5 +438,10 @@ class _ExchangeMissing(Exception):
     pass
 
 
-class _Away(Exception):
-    """The broker is known to be away: a delivery parks instead of trying to connect."""
+class _Publish(NamedTuple):
+    """One message made ready to publish: what goes on the wire, and the detail its attempt records."""
+
+    amqp: aio_pika.Message
+    routing_key: str
+    message_id: str  # the AMQP message_id (the ce-id), by which the client matches a return
+    detail: dict[str, Any]

@@ -8,9 +8,15 @@ and an append-only audit of every attempt.
 from . import signals
 from ._backoff import Backoff
 from ._exceptions import (
+    AckFailed,
     ConfigurationError,
     EmitError,
+    HandlerFailed,
+    InboxError,
     InvalidEmitOption,
+    InvalidInboxMessage,
+    MessageTooOld,
+    NoInboxHandler,
     NotInstalled,
     OutboxError,
     PayloadError,
@@ -18,6 +24,10 @@ from ._exceptions import (
     RetryLater,
     UnroutedEvent,
 )
+from ._inbox.handlers import InboxHandler
+from ._inbox.inbox import Inbox
+from ._inbox.message import InboxMessage, Processed
+from ._json import json_default
 from ._message import Handler, Message
 from ._migrations import VERSION_TABLE, downgrade, include_name, include_object, upgrade
 from ._outbox import Outbox
@@ -25,11 +35,16 @@ from ._routes import Route
 from ._sqlite import enable_sqlite_savepoints
 from ._tables import (
     ATTEMPT_OUTCOMES,
+    INBOX_DEAD_STATUSES,
+    INBOX_OUTCOMES,
     MESSAGE_STATUSES,
     metadata,
     outbox_attempt,
     outbox_breaker,
     outbox_breaker_log,
+    outbox_inbox,
+    outbox_inbox_dead,
+    outbox_inbox_offset,
     outbox_message,
     outbox_pause,
     outbox_pause_log,
@@ -40,20 +55,32 @@ from ._write.emit import emit
 from ._write.mixin import OutboxMixin
 
 __all__ = [
+    "AckFailed",
     "Backoff",
     "ATTEMPT_OUTCOMES",
+    "INBOX_DEAD_STATUSES",
+    "INBOX_OUTCOMES",
     "MESSAGE_STATUSES",
     "ConfigurationError",
     "EmitError",
     "Handler",
+    "HandlerFailed",
+    "Inbox",
+    "InboxError",
+    "InboxHandler",
+    "InboxMessage",
     "InvalidEmitOption",
+    "InvalidInboxMessage",
     "Message",
+    "MessageTooOld",
+    "NoInboxHandler",
     "NotInstalled",
     "Outbox",
     "OutboxError",
     "OutboxMixin",
     "PayloadError",
     "PermanentError",
+    "Processed",
     "RetryLater",
     "Route",
     "UnroutedEvent",
@@ -63,10 +90,14 @@ __all__ = [
     "VERSION_TABLE",
     "include_name",
     "include_object",
+    "json_default",
     "metadata",
     "outbox_attempt",
     "outbox_breaker",
     "outbox_breaker_log",
+    "outbox_inbox",
+    "outbox_inbox_dead",
+    "outbox_inbox_offset",
     "outbox_message",
     "outbox_pause",
     "outbox_pause_log",

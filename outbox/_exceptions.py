@@ -12,7 +12,13 @@ The tree, so ``except`` clauses can be as wide or as narrow as a caller needs::
     │   └── InvalidEmitOption       a bad option: negative delay, empty key, bad headers, ...
     ├── RetryLater                  raised by a handler: transient, try again (optionally after `delay`);
     │                               with `until_recovered`, parked until its destination is back
-    └── PermanentError              raised by a handler: will never succeed, mark the message dead
+    ├── PermanentError              raised by a handler: will never succeed, mark the message dead
+    └── InboxError                  the inbox could not take one incoming message as it was given
+        ├── InvalidInboxMessage     a message id, event type or time the inbox cannot store
+        ├── MessageTooOld           sent longer ago than the inbox keeps markers: refused, not re-applied
+        ├── HandlerFailed           an inbox handler raised: marker and effects rolled back together
+        ├── NoInboxHandler          no handler of the inbox matches the event type (a dead letter's error)
+        └── AckFailed               the message's outcome is committed; acknowledging it to its source failed
 
 Validation errors are raised before anything is buffered or written, so a caller
 can catch them and carry on with the same session and transaction.
@@ -21,8 +27,15 @@ can catch them and carry on with the same session and transaction.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from ._first_line import first_line
+
+if TYPE_CHECKING:  # a module of plain data that imports nothing from the package
+    from ._inbox.message import InboxMessage, Processed
+
+from ._topic import is_topic_pattern
 
 #: How long a parked message waits at most when no recovery is reported (``RetryLater(until_recovered=)``).
 PARKED_DELAY = 60.0
@@ -30,8 +43,14 @@ PARKED_DELAY = 60.0
 DESTINATION_LIMIT = 1000
 
 __all__ = [
+    "AckFailed",
     "ConfigurationError",
     "EmitError",
+    "HandlerFailed",
+    "InboxError",
+    "InvalidInboxMessage",
+    "MessageTooOld",
+    "NoInboxHandler",
     "InvalidEmitOption",
     "NotInstalled",
     "PARKED_DELAY",
@@ -64,10 +83,19 @@ class UnroutedEvent(EmitError):
 
     def __init__(self, event_type: str, known: tuple[str, ...] = ()) -> None:
         self.event_type = event_type
-        hint = f" Known event types: {', '.join(known)}." if known else " No routes are registered."
+        #: The wildcard patterns routes subscribe to, none of which matched.
+        self.patterns = tuple(name for name in known if is_topic_pattern(name))
+        exact = [name for name in known if not is_topic_pattern(name)]
+        hint = f" Known event types: {', '.join(exact)}." if exact else ""
+        if self.patterns:
+            hint += (
+                f" Patterns: {', '.join(self.patterns)} ('*' matches one dot-separated word, "
+                "'#' zero or more)."
+            )
         super().__init__(
             f"no route subscribes to event type {event_type!r}; register one with "
-            f"@outbox.handler({event_type!r}) or outbox.route({event_type!r}, ...).{hint}"
+            f"@outbox.handler({event_type!r}) or outbox.route({event_type!r}, ...)."
+            f"{hint or ' No routes are registered.'}"
         )
 
 
@@ -156,3 +184,83 @@ class PermanentError(OutboxError):
     def __init__(self, message: str = "", *, detail: Mapping[str, Any] | None = None) -> None:
         super().__init__(message or "handler reported a permanent failure")
         self.detail: dict[str, Any] | None = dict(detail) if detail is not None else None
+
+
+class InboxError(OutboxError):
+    """The inbox could not take one incoming message as it was given (see the subclasses)."""
+
+
+class InvalidInboxMessage(InboxError, ValueError):
+    """A message id, event type, source or time the inbox cannot store; nothing was written."""
+
+
+class MessageTooOld(InboxError):
+    """The message was sent longer ago than the inbox keeps its markers.
+
+    Its marker, if it was ever received, may already be purged, so the inbox
+    can no longer tell a duplicate from a first delivery: it refuses the
+    message instead of risking its effects twice. ``Inbox.process`` records
+    it as a dead letter, where an operator decides.
+    """
+
+    def __init__(
+        self, inbox: str, message_id: str, sent_at: datetime, keep: timedelta, now: datetime
+    ) -> None:
+        self.inbox = inbox
+        self.message_id = message_id
+        self.sent_at = sent_at
+        self.keep = keep
+        super().__init__(
+            f"inbox {inbox!r} refuses message {message_id!r}: sent at {sent_at.isoformat()}, "
+            f"{now - sent_at} ago, longer than the {keep} it keeps markers for, so a duplicate "
+            "could no longer be told apart; raise the inbox's keep= if such late deliveries are expected"
+        )
+
+
+class HandlerFailed(InboxError):
+    """An inbox handler raised (or its changes could not be flushed); nothing of the message was stored.
+
+    The marker and every effect were rolled back together, so a redelivery
+    runs the handlers again. ``message`` is what was processed (its
+    ``attempt`` says how many times the source has delivered it),
+    ``handler`` the name of the handler that raised (None when flushing the
+    handlers' changes failed), and ``__cause__`` the original error.
+    """
+
+    def __init__(self, message: InboxMessage, handler: str | None, error: BaseException) -> None:
+        self.message = message
+        self.handler = handler
+        self.error = error
+        where = f"handler {handler!r}" if handler else "writing the handlers' changes"
+        super().__init__(
+            f"message {message.id!r} ({message.event_type}, attempt {message.attempt}): {where} failed: "
+            f"{type(error).__name__}: {first_line(error)}"
+        )
+
+
+class NoInboxHandler(InboxError):
+    """No handler of the inbox matches the message's event type: recorded as a dead letter, not dropped."""
+
+    def __init__(self, inbox: str, event_type: str, known: tuple[str, ...]) -> None:
+        self.event_type = event_type
+        patterns = ", ".join(known) if known else "none"
+        super().__init__(
+            f"inbox {inbox!r} has no handler for event type {event_type!r} (its handlers: {patterns}); "
+            f"register one with @inbox.handler({event_type!r}), or pass unhandled='skip' to the Inbox"
+        )
+
+
+class AckFailed(InboxError):
+    """The message's outcome is committed, but the source's acknowledgement raised.
+
+    Nothing is lost: the source delivers the message again and the inbox
+    answers it as a duplicate. ``result`` is what was committed; ``__cause__``
+    is the acknowledgement's error.
+    """
+
+    def __init__(self, result: Processed, error: BaseException) -> None:
+        self.result = result
+        super().__init__(
+            f"message {result.message_id!r} is {result.outcome} and committed, but acknowledging it failed: "
+            f"{type(error).__name__}: {first_line(error)}; its redelivery will be answered as a duplicate"
+        )

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
-from ._routes import Route, Transform, check_name, check_priority, handler_name
+from ._routes import Route, Transform, check_name, check_plain_callable, check_priority, handler_name
+from ._topic import is_topic_pattern
 from ._write.install import install as install_listeners
 from ._write.install import uninstall as uninstall_listeners
-from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT
+from ._write.payload import DEFAULT_DEPTH_LIMIT, DEFAULT_PAYLOAD_LIMIT, MAX_DEPTH_LIMIT, JsonDefault
+from ._write.settings import DedupeCounter
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -24,6 +26,8 @@ DEFAULT_MAX_ATTEMPTS = 10
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_QUEUE = "default"
 DEFAULT_PRIORITY = 0
+#: Event types whose routes an Outbox with patterns remembers; past it, it starts over.
+_RESOLVED_LIMIT = 4096
 
 
 class Outbox:
@@ -32,6 +36,10 @@ class Outbox:
     Routes are what make an emit valid: an event type with no route is refused at
     emit time. The relay process imports the same object (``--app module:ob``) and
     claims only the routes it holds.
+
+    ``json_default`` converts payload values JSON has no type for, as
+    ``json.dumps(default=...)`` does: ``outbox.json_default`` handles Decimal,
+    datetime, date, UUID, Enum, dataclasses and Pydantic models.
 
     ``trace_context``, ``trace_baggage``, ``trace_parent`` and
     ``tracer_provider`` shape the OpenTelemetry traces from ``emit()`` to each
@@ -49,6 +57,7 @@ class Outbox:
         default_priority: int = DEFAULT_PRIORITY,
         default_backoff: Backoff | None = None,
         pipeline_writes: bool = True,
+        json_default: JsonDefault | None = None,
         trace_context: bool = True,
         trace_baggage: bool = False,
         trace_parent: Literal["link", "child"] = "link",
@@ -80,6 +89,10 @@ class Outbox:
         #: On psycopg, send the commit's INSERT with the COMMIT (see ``outbox._write.pipeline``).
         #: False keeps it an ordinary statement that SQLAlchemy's events see.
         self.pipeline_writes = pipeline_writes
+        if json_default is not None:
+            check_plain_callable(json_default, "json_default")
+        #: Converts what a payload holds that JSON has no type for (see ``outbox.json_default``).
+        self.json_default = json_default
         # Tracing (docs/tracing.md); every one of these is inert without the [otel] extra.
         for flag, value in (("trace_context", trace_context), ("trace_baggage", trace_baggage)):
             if not isinstance(value, bool):
@@ -94,8 +107,12 @@ class Outbox:
         self.trace_parent: Literal["link", "child"] = trace_parent
         #: Where the relay's spans go; None: the global provider, looked up when the relay starts.
         self.tracer_provider = tracer_provider
+        self._dedupe_counter = DedupeCounter()
         self._routes: dict[str, Route] = {}
         self._by_event: dict[str, tuple[Route, ...]] = {}
+        #: The routes of each event type emitted so far (see routes_for); rebuilt when a route is added.
+        self._resolved: dict[str, tuple[Route, ...]] = {}
+        self._has_patterns = False
 
     def __repr__(self) -> str:
         return f"<Outbox routes={len(self._routes)}>"
@@ -148,6 +165,8 @@ class Outbox:
             )
         self._routes[route.name] = route
         self._by_event[event_type] = (*self._by_event.get(event_type, ()), route)
+        self._has_patterns = self._has_patterns or route.pattern
+        self._resolved = {}  # a new dict, not clear(): an emit in another thread may be reading the old
         return route
 
     def handler(
@@ -183,7 +202,32 @@ class Outbox:
         return register
 
     def routes_for(self, event_type: str) -> tuple[Route, ...]:
-        return self._by_event.get(event_type, ())
+        """The routes an event of ``event_type`` is stored for, in the order they were registered.
+
+        Exact routes and every pattern that matches, each route once. The answer
+        is kept per event type, so an emit pays for the matching only the first
+        time it meets an event type. A wildcard event type (``order.*``) is a
+        pattern, not an event: it has no routes here.
+        """
+        found = self._resolved.get(event_type)
+        if found is None:
+            found = self._resolve(event_type)
+        return found
+
+    def _resolve(self, event_type: str) -> tuple[Route, ...]:
+        if not self._has_patterns:
+            found = self._by_event.get(event_type, ())
+        elif not isinstance(event_type, str) or is_topic_pattern(event_type):
+            return ()
+        else:
+            found = tuple(route for route in self._routes.values() if route.matches(event_type))
+        if not found:  # an unrouted emit raises; its type is not worth a place
+            return found
+        resolved = self._resolved
+        if len(resolved) >= _RESOLVED_LIMIT:  # event types made up at run time must not grow it forever
+            resolved = self._resolved = {}
+        resolved[event_type] = found
+        return found
 
     def get_route(self, name: str) -> Route:
         try:
@@ -197,7 +241,18 @@ class Outbox:
 
     @property
     def event_types(self) -> tuple[str, ...]:
+        """The event types and patterns routes subscribe to, in the order first registered."""
         return tuple(self._by_event)
+
+    @property
+    def deduplicated(self) -> dict[str, int]:
+        """Messages not stored because their route already held their key, per route, since start-up.
+
+        Counted once the emitting transaction commits, in this process (the
+        relay never sees them). Each is also announced by the
+        ``event_deduplicated`` signal and a DEBUG log line.
+        """
+        return self._dedupe_counter.snapshot()
 
     def __iter__(self) -> Iterator[Route]:
         return iter(self.routes)

@@ -12,8 +12,9 @@ from typing import Any
 
 from ._backoff import Backoff
 from ._exceptions import ConfigurationError
+from ._topic import is_topic_pattern, topic_pattern_problem, words_match
 
-__all__ = ["Route", "Transform", "Validator", "check_name", "handler_name"]
+__all__ = ["Route", "Transform", "Validator", "check_name", "check_plain_callable", "handler_name"]
 
 #: ``transform(event_payload) -> route_payload``: shapes one route's payload at emit time.
 Transform = Callable[[dict[str, Any]], Any]
@@ -57,6 +58,10 @@ def handler_name(handler: Any) -> str:
 class Route:
     """One subscription: messages of ``event_type`` go to ``handler`` under ``name``.
 
+    ``event_type`` may be a pattern (RabbitMQ topic rules: ``*`` one
+    dot-separated word, ``#`` zero or more); ``pattern`` says whether it is, and
+    :meth:`matches` whether an emitted event type is one of this route's.
+
     ``name`` is what the ``handler`` column stores and what relays claim by, so
     renaming a route strands its pending messages; keep it stable.
 
@@ -80,9 +85,16 @@ class Route:
     transform: Transform | None = None
     expires_after: timedelta | None = None
     validator: Validator | None = field(init=False, repr=False, compare=False)
+    pattern: bool = field(init=False, repr=False, compare=False)
+    _words: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_name("event type", self.event_type)
+        problem = topic_pattern_problem(self.event_type)
+        if problem:
+            raise ConfigurationError(f"route {self.name!r}: {problem}")
+        object.__setattr__(self, "pattern", is_topic_pattern(self.event_type))
+        object.__setattr__(self, "_words", tuple(self.event_type.split(".")))
         check_name("route name", self.name)
         check_name("queue", self.queue)
         if not callable(self.handler):
@@ -108,7 +120,7 @@ class Route:
                 f"route {self.name!r}: backoff must be an outbox.Backoff, got {self.backoff!r}"
             )
         if self.transform is not None:
-            _check_plain_callable(self.transform, f"route {self.name!r}: transform")
+            check_plain_callable(self.transform, f"route {self.name!r}: transform")
         if self.expires_after is not None and (
             not isinstance(self.expires_after, timedelta)
             or not timedelta(0) < self.expires_after <= MAX_EXPIRES_AFTER
@@ -119,11 +131,17 @@ class Route:
             )
         validator = getattr(self.handler, "outbox_validate", None)
         if validator is not None:
-            _check_plain_callable(validator, f"route {self.name!r}: the handler's outbox_validate")
+            check_plain_callable(validator, f"route {self.name!r}: the handler's outbox_validate")
         object.__setattr__(self, "validator", validator)
 
+    def matches(self, event_type: str) -> bool:
+        """Is an event of ``event_type`` (a plain event type, never a pattern) one this route takes?"""
+        if not self.pattern:
+            return event_type == self.event_type
+        return words_match(self._words, tuple(event_type.split(".")))
 
-def _check_plain_callable(fn: object, what: str) -> None:
+
+def check_plain_callable(fn: object, what: str) -> None:
     """Emit-time hooks run inside emit(), a plain function: they cannot be awaited there."""
     if not callable(fn):
         raise ConfigurationError(f"{what} must be callable, got {fn!r}")

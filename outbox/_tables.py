@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     CheckConstraint,
     Column,
@@ -26,6 +27,7 @@ from sqlalchemy import (
     UniqueConstraint,
     Uuid,
     false,
+    func,
     literal_column,
     or_,
     text,
@@ -36,6 +38,8 @@ from ._types import JSONDocument, RowId, UTCDateTime
 __all__ = [
     "ATTEMPT_OUTCOMES",
     "BREAKER_EVENTS",
+    "INBOX_DEAD_STATUSES",
+    "INBOX_OUTCOMES",
     "MESSAGE_STATUSES",
     "PAUSE_EVENTS",
     "PAUSE_KINDS",
@@ -43,6 +47,9 @@ __all__ = [
     "outbox_attempt",
     "outbox_breaker",
     "outbox_breaker_log",
+    "outbox_inbox",
+    "outbox_inbox_dead",
+    "outbox_inbox_offset",
     "outbox_message",
     "outbox_pause",
     "outbox_pause_log",
@@ -70,6 +77,13 @@ PAUSE_EVENTS: Final = ("paused", "resumed")
 #: A circuit breaker opened by a relay, closed by a relay's successful trial, reset by an operator
 #: (``outbox breaker reset``) or cleared by ``outbox retry-now`` of a message it held back.
 BREAKER_EVENTS: Final = ("opened", "closed", "reset", "retried_now")
+#: What an inbox decided about a message when it wrote the marker: ``received`` by a plain
+#: ``Inbox.receive()`` (the caller acts on it), ``handled`` by its handlers, ``unhandled`` (no handler,
+#: an inbox told to skip those), ``dead`` (recorded as a dead letter in ``outbox_inbox_dead``).
+INBOX_OUTCOMES: Final = ("received", "handled", "unhandled", "dead")
+#: A dead letter waits (``dead``), is requeued by an operator (``requeued``), then handled by its
+#: consumer (``handled``) or recorded ``dead`` again.
+INBOX_DEAD_STATUSES: Final = ("dead", "requeued", "handled")
 
 #: Deterministic constraint names, so migrations and autogenerate agree on them.
 NAMING_CONVENTION: Final = {
@@ -241,6 +255,8 @@ outbox_retention_run = Table(
     Column("db_user", String(255)),
     # True when the run also deleted the history of unresolved (pending, running, dead) messages.
     Column("history_of_unresolved", Boolean, nullable=False, server_default=false()),
+    #: Inbox markers past their ``kept_until`` that the run deleted (outbox_0020).
+    Column("markers_deleted", Integer, nullable=False, server_default=literal_column("0")),
     sqlite_autoincrement=True,
 )
 
@@ -339,5 +355,75 @@ outbox_breaker_log = Table(
     Column("db_user", String(255)),
     CheckConstraint(_one_of("event", BREAKER_EVENTS), name="event"),
     Index("ix_outbox_breaker_log_destination", "destination", "id"),
+    sqlite_autoincrement=True,
+)
+
+#: The inbox's markers (migration outbox_0020): one row per message id each consumer (an
+#: ``outbox.Inbox``, by its name) has taken, written in the same transaction as the message's
+#: effects, so a redelivery finds it and is answered as a duplicate. ``received_at`` is the
+#: database's clock (PostgreSQL: the column's default, which the consumer's login cannot set);
+#: ``kept_until`` is ``received_at`` plus the inbox's ``keep``, and only a purge (``outbox purge``)
+#: deletes a marker, once that time has passed. Markers are never updated.
+outbox_inbox = Table(
+    "outbox_inbox",
+    metadata,
+    Column("consumer", String(255), primary_key=True),
+    Column("message_id", String(255), primary_key=True),
+    Column("received_at", UTCDateTime, nullable=False, server_default=func.now()),
+    Column("kept_until", UTCDateTime, nullable=False),
+    Column("event_type", String(255)),
+    #: Where it came from, as the source names it: ``rabbitmq:orders``, ``kafka:orders/3``, ...
+    Column("source", String(255)),
+    Column("outcome", String(16), nullable=False),
+    CheckConstraint(_one_of("outcome", INBOX_OUTCOMES), name="outcome"),
+    CheckConstraint("kept_until > received_at", name="kept_until"),
+    # Retention: the purge deletes markers whose kept_until has passed, oldest first.
+    Index("ix_outbox_inbox_kept_until", "kept_until"),
+)
+
+#: Where a partitioned log's consumer (Kafka) is, per consumer, topic and partition: the offset
+#: of the next record to read, written in the same transaction as the effects of the record
+#: before it, and read when a partition is assigned. Never moves backwards.
+outbox_inbox_offset = Table(
+    "outbox_inbox_offset",
+    metadata,
+    Column("consumer", String(255), primary_key=True),
+    Column("topic", String(255), primary_key=True),
+    Column("partition", Integer, primary_key=True),
+    Column("next_offset", BigInteger, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False, server_default=func.now()),
+    CheckConstraint("partition >= 0", name="partition"),
+    CheckConstraint("next_offset >= 0", name="next_offset"),
+)
+
+#: An inbox's dead letters: messages it could not take and will not retry on its own (a handler
+#: failed ``Inbox(max_failures=...)`` times or raised ``PermanentError``, no handler matched, or it
+#: came too late: ``error_type`` says which). Written together with the message's marker (outcome
+#: ``dead``), so redeliveries of it are duplicates, and before the source is acknowledged.
+#: ``attempts`` is how many times a handler ran it (0: never). One row per consumer and message id.
+outbox_inbox_dead = Table(
+    "outbox_inbox_dead",
+    metadata,
+    Column("id", RowId, Identity(), primary_key=True),
+    Column("consumer", String(255), nullable=False),
+    Column("message_id", String(255), nullable=False),
+    Column("event_type", String(255), nullable=False),
+    Column("source", String(255)),
+    Column("payload", JSONDocument, nullable=False),
+    Column("headers", JSONDocument, nullable=False),
+    Column("sent_at", UTCDateTime),
+    Column("attempts", Integer, nullable=False),
+    Column("error_type", String(255), nullable=False),
+    Column("error", Text, nullable=False),
+    Column("dead_at", UTCDateTime, nullable=False, server_default=func.now()),
+    Column("status", String(16), nullable=False, server_default=literal_column("'dead'")),
+    Column("requeued_at", UTCDateTime),
+    Column("actor", String(255)),
+    Column("reason", Text),
+    Column("handled_at", UTCDateTime),
+    CheckConstraint(_one_of("status", INBOX_DEAD_STATUSES), name="status"),
+    CheckConstraint("attempts >= 0", name="attempts"),
+    # Also the consumer's index: dead letters are few, and every query names the consumer.
+    UniqueConstraint("consumer", "message_id"),
     sqlite_autoincrement=True,
 )

@@ -40,12 +40,14 @@ import threading
 from typing import Any
 
 from sqlalchemy import create_engine, event
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import Session
 
 from ._exceptions import ConfigurationError
+from ._tables import outbox_message
 
-__all__ = ["check_url", "sync_engine", "sync_url"]
+__all__ = ["check_url", "engine_of", "sync_engine", "sync_url"]
 
 #: Async drivers and the synchronous driver the outbox uses in their place.
 SYNC_DRIVERS = {
@@ -125,6 +127,27 @@ def sync_engine(target: Any, **engine_options: Any) -> Engine:
             f"expected a database URL, an Engine or an AsyncEngine, got {type(target).__name__}"
         )
     return _create(sync_url(target), engine_options)
+
+
+def engine_of(bind: Any) -> Any:
+    """The engine behind a Session, an AsyncSession, a Connection or an AsyncConnection; anything else as is.
+
+    What it returns goes to :func:`sync_engine`, the one place that turns an
+    engine or URL into what the outbox connects with, so helpers that take "a
+    bind" accept everything the relay does plus the sessions and connections a
+    test holds. A session's bind for the outbox's own table is used, so
+    ``sessionmaker(binds={...})`` finds the right database.
+    """
+    for attribute in ("sync_session", "sync_connection"):  # an AsyncSession, an AsyncConnection
+        inner = getattr(bind, attribute, None)
+        if isinstance(inner, Session | Connection):
+            bind = inner
+            break
+    if isinstance(bind, Session):
+        bind = bind.get_bind(clause=outbox_message)
+    if isinstance(bind, Connection):
+        return bind.engine
+    return bind
 
 
 def _create(url: URL, engine_options: dict[str, Any]) -> Engine:

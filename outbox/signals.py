@@ -24,6 +24,13 @@ Write side (sent by ``outbox``):
     a transaction that wrote outbox rows committed. Keyword arguments:
     ``session``, ``queues`` (the set of queue names written). An embedded relay
     listens to this to wake without waiting for its poll interval.
+``event_deduplicated``
+    a committed transaction's event was not stored for one route because a
+    message of that route already holds its idempotency key. Sent once per
+    dropped message, after the commit. Keyword arguments: ``session``,
+    ``event_id`` (the dropped event's), ``event_type``, ``route``, ``key``,
+    ``existing_id`` (the ``outbox_message`` id holding the key; None if it
+    could not be read).
 
 Relay side (sent by ``outbox.relay``, from the relay's event-loop thread):
 
@@ -58,6 +65,7 @@ from __future__ import annotations
 from blinker import Namespace
 
 __all__ = [
+    "event_deduplicated",
     "event_emitted",
     "message_claimed",
     "message_dead",
@@ -76,6 +84,9 @@ namespace = Namespace()
 event_emitted = namespace.signal("event-emitted", doc="emit() accepted an event (not yet committed)")
 messages_committed = namespace.signal(
     "messages-committed", doc="a transaction that wrote outbox rows committed"
+)
+event_deduplicated = namespace.signal(
+    "event-deduplicated", doc="a committed event was not stored for a route: its key was already there"
 )
 
 relay_started = namespace.signal("relay-started", doc="a relay began claiming")

@@ -25,7 +25,7 @@ from outbox import Route
 from outbox._breaker_board import BreakerBoard
 from outbox._redact import Redactor
 
-from .dispatch import describe
+from .classify import describe
 from .run_context import RunContext, log
 
 __all__ = ["SharedBreakers"]

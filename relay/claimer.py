@@ -1,4 +1,4 @@
-"""The claimer: claim rounds, and one delivery task per claimed message.
+"""The claimer: claim rounds, and one delivery task per claimed message (or per batch).
 
 It owns every message between its claim and the hand-over of its outcome to
 the writer: which are in flight (and in which queue, for per-queue caps),
@@ -11,6 +11,11 @@ A claimed row whose payload or headers could not be decoded
 (``documents.py``) is never given to its handler: its delivery task hands the
 writer a dead outcome with the reason at once. Nor is one claimed past its
 ``expires_at``: its outcome is ``expired``, and the message is discarded.
+
+The rows a claim took for a route whose handler takes batches
+(``outbox_deliver_batch``) share one delivery task, which hands them to the
+handler in one call (``batch.py``); everything the claimer counts is still
+counted per message: in-flight claims, per-queue slots, unstarted claims.
 """
 
 from __future__ import annotations
@@ -21,16 +26,23 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from outbox import Message, signals
+from outbox import signals
 
 from .announce import send
+from .batch import batch_routes, deliver_batch
 from .claim_position import ClaimPositions, Position
-from .clock import utcnow
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
-from .dispatch import attempt, expired, expired_outcome, to_message, undecodable_outcome
+from .dispatch import (
+    CANCELLED,
+    attempt,
+    cut_off,
+    expired,
+    expired_outcome,
+    to_message,
+    undecodable_outcome,
+)
 from .documents import undecodable
-from .outcomes import Completion
 from .run_context import RunContext, log
 from .threads import DaemonPool
 from .writer import OutcomeWriter
@@ -71,9 +83,15 @@ class Claimer:
         # trace (no lease ever expires for it), so the duplicate could not be explained.
         self._conn = LoopConnection(rt.store.engine, settings=HOT_PATH) if rt.store.fast else None
         self._handler_pool = DaemonPool(concurrency + 2)
+        #: Routes whose handler takes a claim's messages at once (``batch.py``), asked once per run.
+        self._batch_routes = batch_routes(rt.routes)
         writer.on_written = self._slots_freed
         writer.deliveries_running = self.inflight.__len__
         writer.min_batch = max(1, batch_size // 2)
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The delivery tasks running: one per message, or one for each batch's messages."""
+        return list(dict.fromkeys(self.inflight.values()))
 
     def held_ids(self) -> list[int]:
         """Messages this relay works on (or must still release): their leases must be renewed."""
@@ -205,10 +223,22 @@ class Claimer:
                 relay=self._rt.sender,
                 messages=[to_message(r) for r in rows],
             )
-        for row, deadline in zip(rows, self._deadlines(rows), strict=True):
+        batches: dict[str, list[Any]] = {}
+        singles = []
+        for row in rows:
+            if row.handler in self._batch_routes:
+                batches.setdefault(row.handler, []).append(row)
+            else:
+                singles.append(row)
+        for row, deadline in zip(singles, self._deadlines(singles), strict=True):
             self._by_queue[queue] += 1
             task = asyncio.create_task(self._deliver(queue, row, deadline), name=f"outbox-message-{row.id}")
             self.inflight[row.id, row.attempts] = task
+        for name, batch in batches.items():
+            self._by_queue[queue] += len(batch)
+            task = asyncio.create_task(self._deliver_batch(queue, name, batch), name=f"outbox-batch-{name}")
+            for row in batch:
+                self.inflight[row.id, row.attempts] = task
 
     def _deadlines(self, rows: list[Any]) -> list[Deadline]:
         """Each row's Deadline: the rows of one route timeout share one (relay/deadline.py)."""
@@ -248,7 +278,7 @@ class Claimer:
                     )
                     traced.outcome(completion)
             except asyncio.CancelledError:
-                message, completion = _cut_off(row, "Cancelled", _CANCELLED)
+                message, completion = cut_off(row, "Cancelled", CANCELLED)
             except Exception as exc:  # a relay bug must not leave a started attempt without its outcome
                 log.error(
                     "attempt of message #%d could not be classified",
@@ -256,7 +286,7 @@ class Claimer:
                     exc_info=True,
                     extra={"action": "relay_error", "message_id": row.id, "handler": row.handler},
                 )
-                message, completion = _cut_off(
+                message, completion = cut_off(
                     row, "RelayError", f"the relay failed while running this attempt ({type(exc).__name__})"
                 )
             self._writer.add(message, completion)
@@ -266,26 +296,32 @@ class Claimer:
             if self._saturated:
                 rt.wake.set()
 
-
-_CANCELLED = "the relay stopped before the handler finished; it may or may not have taken effect"
-
-
-def _cut_off(row: Any, error_type: str, error: str) -> tuple[Message, Completion]:
-    """An attempt that began but never finished normally (a forced stop, a relay error).
-
-    It counts, like any attempt that may have taken effect; on its last attempt
-    the message goes dead, as a lease recovery would make it.
-    """
-    now = utcnow()
-    last = row.attempts >= row.max_attempts
-    return to_message(row), Completion(
-        message_id=row.id,
-        attempt=row.attempts,
-        outcome="dead" if last else "failed",
-        status="dead" if last else "pending",
-        started_at=now,
-        finished_at=now,
-        error_type=error_type,
-        error=error,
-        detail={"exhausted": True, "last_outcome": "failed"} if last else None,
-    )
+    async def _deliver_batch(self, queue: str, name: str, rows: list[Any]) -> None:
+        """One call for the rows a claim took for a batch route, under the route's timeout."""
+        rt = self._rt
+        route = rt.routes[name]
+        deadline = Deadline(rt.loop, route.timeout, 1)
+        try:
+            if rt.stopping:
+                deadline.skip()
+                return  # they stay unstarted: the shutdown releases them
+            for row in rows:
+                self._unstarted.pop((row.id, row.attempts), None)
+            fn, is_async = self._batch_routes[name]
+            await deliver_batch(
+                rt,
+                route,
+                queue,
+                rows,
+                fn=fn,
+                is_async=is_async,
+                deadline=deadline,
+                executor=self._handler_pool,
+                add=self._writer.add,
+            )
+        finally:
+            for row in rows:
+                self.inflight.pop((row.id, row.attempts), None)
+            self._by_queue[queue] -= len(rows)
+            if self._saturated:
+                rt.wake.set()

@@ -22,7 +22,7 @@ logged, never raised: one handler cannot keep the relay from stopping, nor the
 other handlers from closing.
 
 "Any other failure" includes ``SystemExit``, ``KeyboardInterrupt`` and every
-other ``BaseException``, as for handlers' deliveries (``dispatch.py``): a hook
+other ``BaseException``, as for handlers' deliveries (``classify.py``): a hook
 that raised one would otherwise end the relay in a way no caller expects,
 mid-start or mid-stop. The one exception is the relay's own cancellation (a
 caller cancelling ``serve()``, the first Ctrl-C under ``asyncio.run``) while
@@ -40,7 +40,8 @@ from sqlalchemy.engine import Engine
 from outbox import ConfigurationError, Route
 from outbox._redact import Redactor
 
-from .dispatch import cancelled_by_relay, describe
+from .classify import describe
+from .dispatch import cancelled_by_relay
 from .leases import recover_period
 from .run_context import log
 

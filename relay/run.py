@@ -227,7 +227,7 @@ class RelayRun:
                     writing.result()  # raises the write's error
                     raise RuntimeError("the outcome writer stopped during a drain")
         finally:
-            pending = [*claimer.inflight.values(), *self.background]
+            pending = [*claimer.tasks(), *self.background]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

@@ -43,12 +43,12 @@ class Shutdown:
         # them back now, not after the grace period, so another relay can take them at once.
         await asyncio.sleep(0)
         await self._release_unstarted(raise_errors=False)
-        inflight = list(self._claimer.inflight.values())
+        inflight = self._claimer.tasks()  # a batch's messages share one task
         if inflight:
             log.info(
                 "waiting up to %.0fs for %d in-flight deliveries",
                 self._grace_period,
-                len(inflight),
+                len(self._claimer.inflight),
                 extra={"action": "drain", "relay_id": self._rt.id},
             )
             forced: asyncio.Task[Any] = asyncio.create_task(self._rt.force.wait())
@@ -58,13 +58,14 @@ class Shutdown:
             )
             forced.cancel()
             late = [t for t in inflight if not t.done()]
+            cut = len(self._claimer.inflight)
             for task in late:
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
             if late:
                 log.warning(
                     "cancelled %d deliveries still running at shutdown; they will be retried",
-                    len(late),
+                    cut,
                     extra={"action": "cancel", "relay_id": self._rt.id},
                 )
         await self._final_writes()

@@ -8,7 +8,9 @@ SMTP or broker instrumentation nests under it. It is linked to the span that
 emitted the event (the trace context ``emit()`` stored in the headers), or is
 its child with ``Outbox(trace_parent="child")``: a link by default, because
 deliveries can come minutes or days later, and retries, in one trace would
-stretch the request's trace far past the request.
+stretch the request's trace far past the request. The attempts of a batch
+handed to its handler at once (``batch.py``) each get theirs too, none of them
+current: the one call is no single message's child.
 
 Retries and dead letters are events on the attempt's span (``outbox.retry``,
 ``outbox.dead``), recorded when the attempt's outcome is decided.
@@ -67,17 +69,19 @@ _UNTRACED = _Untraced()
 
 
 class _Attempt:
-    """One attempt's span, current (attached) between enter and exit, ended at exit."""
+    """One attempt's span, current (attached) between enter and exit unless told not to, ended at exit."""
 
-    __slots__ = ("_otel", "_span", "_token")
+    __slots__ = ("_current", "_otel", "_span", "_token")
 
-    def __init__(self, otel: Api, span: Span) -> None:
+    def __init__(self, otel: Api, span: Span, current: bool) -> None:
         self._otel = otel
         self._span = span
+        self._current = current
         self._token: Any = None
 
     def __enter__(self) -> _Attempt:
-        self._token = self._otel.attach(self._otel.set_span_in_context(self._span))
+        if self._current:
+            self._token = self._otel.attach(self._otel.set_span_in_context(self._span))
         return self
 
     def outcome(self, completion: Completion) -> None:
@@ -111,7 +115,8 @@ class _Attempt:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._otel.detach(self._token)
+        if self._token is not None:
+            self._otel.detach(self._token)
         if kind is not None:  # cancelled (a forced stop), or a relay error: the claimer records it
             self._span.set_attribute("error.type", kind.__qualname__)
             self._span.set_status(self._otel.Status(self._otel.StatusCode.ERROR, kind.__qualname__))
@@ -177,8 +182,13 @@ class RelayTracing:
         )
         span.end()
 
-    def process(self, queue: str, row: Any) -> _Attempt | _Untraced:
+    def process(self, queue: str, row: Any, *, batch: int | None = None) -> _Attempt | _Untraced:
         """The attempt's span as a context manager: current inside, ended on exit.
+
+        An attempt that is one of a ``batch`` handed to the handler at once
+        (``outbox_deliver_batch``) gets its own span all the same, carrying
+        ``messaging.batch.message_count``, but none is made current: the
+        handler's one call is no single message's child.
 
         In link mode the stored context is only read once the span is known to
         record: with the API but no SDK, an attempt costs nothing more (the
@@ -205,6 +215,8 @@ class RelayTracing:
         }
         if row.group_key is not None:
             attributes["messaging.message.conversation_id"] = row.group_key
+        if batch is not None:
+            attributes["messaging.batch.message_count"] = batch
         # A stored context without a valid span makes the SDK start a root, as in link mode.
         parent = (extract(row.headers) if self._child and row.headers else None) or otel.Context()
         span = tracer.start_span(
@@ -217,4 +229,4 @@ class RelayTracing:
                 span.add_link(emitted)
         if not span.is_recording() and not span.get_span_context().is_valid:
             return _UNTRACED  # no SDK and no context to pass on: nothing to make current
-        return _Attempt(otel, span)
+        return _Attempt(otel, span, current=batch is None)

@@ -134,12 +134,16 @@ def test_broker_ratios_get_a_verdict_in_full_runs_only() -> None:
         "nats_ratio": 0.5,
         "messages_rabbitmq": 20000,
         "rabbitmq_ratio": 0.8,
+        "messages_kafka": 20000,
+        "kafka_ratio": 0.2,
         "drain_per_s_1": 1.0,
         "drain_per_s_2": 2.0,
     }
     verdicts = {row[0]: row[3] for row in targets(out)}
     assert verdicts["NATS publish (outbox / raw)"] == "FAIL"
     assert verdicts["RabbitMQ publish (outbox / direct)"] == "PASS"
+    assert verdicts["Kafka produce, mock cluster (outbox / raw)"] == "FAIL"
     quick = {row[0]: row[3] for row in targets({**out, "quick": True})}
     assert quick["NATS publish (outbox / raw)"] == quick["RabbitMQ publish (outbox / direct)"] == "-"
+    assert quick["Kafka produce, mock cluster (outbox / raw)"] == "-"
     assert quick["2 drain, 2 relays"] == "PASS"  # a comparison within the outbox keeps its verdict

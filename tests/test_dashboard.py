@@ -332,6 +332,11 @@ def test_detail_shows_the_timeline_redacted_payload_and_lineage(operator, seeded
     assert "sk_live_42" not in html and "***" in html
     assert "failed" in page and "dead" in page and "billing API unreachable" in page
     assert "Not a copy, and never requeued" in page
+    # The login PostgreSQL stamps on each row stands with the relay it vouches for.
+    assert "db_user" not in html
+    if seeded.engine.dialect.name == "postgresql":
+        login = seeded.engine.url.username
+        assert re.search(rf"<td>[^<]+ <span [^>]*>\({login}\)</span></td>", html), "the relay's login"
     response = operator.post(f"/messages/{dead}/requeue", data={"reason": "billing fixed"}, headers=SAME_SITE)
     assert response.status_code == 200  # followed the 303 to the copy
     copy = int(str(response.url).rsplit("/", 1)[1])
@@ -482,6 +487,22 @@ def test_pause_and_resume_record_actor_and_reason(operator, seeded):
         headers=SAME_SITE,
     )
     assert resumed.status_code == 200 and ops.paused(seeded.engine) == []
+
+
+def test_a_malformed_request_is_a_bad_request_and_a_refusal_by_state_a_conflict(operator, seeded):
+    """400 says "fix what you sent"; 409 says "not in this state": a client retries only the second."""
+    malformed = operator.post(
+        "/queues/pause",
+        data={"kind": "queue", "name": "bill ing", "reason": "vendor outage"},
+        headers=SAME_SITE,
+    )
+    assert malformed.status_code == 400
+    assert "must not contain whitespace" in text_of(malformed.text)
+    not_paused = operator.post(
+        "/queues/resume", data={"kind": "queue", "name": "billing", "reason": "r"}, headers=SAME_SITE
+    )
+    assert not_paused.status_code == 409
+    assert ops.paused(seeded.engine) == []
 
 
 def test_read_only_by_default_and_actions_need_post(reader, seeded):

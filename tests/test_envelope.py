@@ -7,9 +7,13 @@ import uuid
 from datetime import UTC, datetime
 
 import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
 
-from outbox import ConfigurationError, Message, PermanentError
+import outbox
+from outbox import ConfigurationError, Message, Outbox, PermanentError, emit, ops
 from outbox.integrations._envelope import RoutingTemplate, envelope
+from outbox.relay import Relay
 
 
 def message(**kw: object) -> Message:
@@ -49,6 +53,41 @@ def test_a_requeued_copy_is_the_same_event_to_consumers():
     original, copy = message(id=7, attempt=3), message(id=99, attempt=1)
     assert envelope(original).headers == envelope(copy).headers
     assert envelope(original).dedupe_id == envelope(copy).dedupe_id
+
+
+def test_a_copys_ce_time_is_when_the_copy_was_made_and_the_rest_is_the_events(engine):
+    """As docs/brokers.md says: a requeued copy is the same event, stored again later."""
+    published: list[tuple[int, dict[str, str], bytes]] = []
+
+    def publish(msg: Message) -> None:
+        env = envelope(msg)
+        published.append((msg.id, env.headers, env.body))
+        if len(published) == 1:
+            raise PermanentError("the broker refused it")
+
+    ob = Outbox()
+    ob.route("order.paid", publish, name="orders_broker")
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    with maker.begin() as s:
+        emit(s, "order.paid", {"order_id": 42}, key="order.paid:42")
+    Relay(ob, engine).run_until_idle()  # dead
+    ((original_id, copy_id),) = ops.requeue(engine, ops.MessageFilter(ids=[1]), reason="fixed", actor="ops")
+    Relay(ob, engine).run_until_idle()  # the copy is delivered
+
+    m = outbox.outbox_message
+    with engine.connect() as conn:
+        stored = dict(conn.execute(select(m.c.id, m.c.created_at)).all())
+    (first_id, first, first_body), (second_id, second, second_body) = published
+    assert (first_id, second_id) == (original_id, copy_id)
+    for message_id, headers in ((first_id, first), (second_id, second)):
+        created = stored[message_id].replace(tzinfo=UTC)
+        assert datetime.fromisoformat(headers["ce-time"]) == created
+    assert stored[copy_id] > stored[original_id]
+    assert {k: v for k, v in first.items() if k != "ce-time"} == {
+        k: v for k, v in second.items() if k != "ce-time"
+    }
+    assert first_body == second_body
 
 
 def test_routing_templates_are_checked_when_built_and_filled_per_message():

@@ -27,7 +27,7 @@ from stamped import as_reported
 
 import outbox
 from outbox import Backoff, ConfigurationError, Message, Outbox, RetryLater, emit, ops
-from outbox.integrations import kafka
+from outbox.integrations import _kafka_session, kafka
 from outbox.integrations.kafka import KafkaPublisher
 from outbox.relay import Relay
 
@@ -215,6 +215,47 @@ def test_a_message_over_the_producers_own_limit_is_dead_without_reaching_kafka(e
     assert consume(cluster, 0, timeout=1.0) == []
 
 
+class Batches(KafkaPublisher):
+    """The real publisher, noting how many messages each batch the relay hands it holds."""
+
+    sizes: list[int]
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[Any]:
+        self.sizes.append(len(messages))
+        return await super().outbox_deliver_batch(messages)
+
+
+def test_a_claim_is_produced_as_one_batch_and_each_message_fails_alone(engine, ob, maker, cluster):
+    """Too large for the producer, a topic it cannot name: dead alone, the batch's others written."""
+    pub = Batches(
+        {"bootstrap.servers": cluster.bootstrap_servers, "message.max.bytes": 2000},
+        "{aggregate_type}",
+    )
+    pub.sizes = []
+    ob.route("order.paid", pub, name="orders_kafka", max_attempts=3)
+    payloads = {n: {"n": n} for n in range(8)}
+    payloads[2] = {"n": 2, "blob": "x" * 5000}
+    topics = {n: TOPIC for n in range(8)}
+    topics[4] = "not a topic"
+    for n in range(8):
+        emit_one(maker, payloads[n], aggregate=(topics[n], str(n)))
+
+    Relay(ob, engine, concurrency=20).run_until_idle()
+
+    assert pub.sizes == [8]
+    with engine.connect() as conn:
+        numbers = {r.id: r.payload["n"] for r in conn.execute(select(m))}
+        state = {r.payload["n"]: (r.status, r.attempts) for r in conn.execute(select(m))}
+    assert state == {n: ("dead", 1) if n in (2, 4) else ("delivered", 1) for n in range(8)}
+    tried = {numbers[h.message_id]: h for h in history(engine)}
+    assert len(tried) == 8
+    assert tried[2].detail["error"] == "MSG_SIZE_TOO_LARGE" and "topic" in tried[2].detail
+    assert tried[4].detail["reason"] == "bad_topic"
+    written = sorted((tried[n].detail["partition"], tried[n].detail["offset"]) for n in (0, 1, 3, 5, 6, 7))
+    assert len(set(written)) == 6
+    assert sorted(json.loads(msg.value())["n"] for msg in consume(cluster, 6)) == [0, 1, 3, 5, 6, 7]
+
+
 # -- broker-side failures -------------------------------------------------------------------
 
 
@@ -305,7 +346,7 @@ def test_brokers_down_is_a_retry_after_delivery_timeout_not_a_hang(engine, ob, m
 def test_a_report_that_never_comes_is_a_retry(cluster, monkeypatch):
     """The backstop: librdkafka should always report, but a wedged client must not hang the relay."""
     monkeypatch.setattr(kafka, "REPORT_GRACE", 0.2)
-    monkeypatch.setattr(kafka._Session, "_serve", lambda self: None)  # nobody serves reports
+    monkeypatch.setattr(_kafka_session.Session, "_serve", lambda self: None)  # nobody serves reports
     handler = publisher(cluster, delivery_timeout=1)
     msg = Message(id=1, event_id=uuid.uuid4(), event_type="order.paid", handler="k", payload={})
 

@@ -27,6 +27,9 @@ OUTBOX_TABLES = {
     "outbox_relay_registry",
     "outbox_breaker",
     "outbox_breaker_log",
+    "outbox_inbox",
+    "outbox_inbox_dead",
+    "outbox_inbox_offset",
     "outbox_report_run",
     "outbox_report_chunk",
     "outbox_email_sent",
@@ -287,9 +290,10 @@ def test_postgresql_triggers_cover_every_write_they_guard(pg_url):
         engine.dispose()
     notify = [d for d in triggers.values() if "outbox_notify" in d]
     assert notify and all("AFTER INSERT ON public.outbox_message FOR EACH STATEMENT" in d for d in notify)
-    guarded = " ".join(d for d in triggers.values() if "outbox_attempt_append_only" in d)
-    for operation in ("UPDATE", "DELETE", "TRUNCATE"):
-        assert operation in guarded, triggers
+    for guard in ("outbox_attempt_append_only", "outbox_inbox_kept", "outbox_inbox_dead_kept"):
+        guarded = " ".join(d for d in triggers.values() if f"{guard}()" in d)
+        for operation in ("UPDATE", "DELETE", "TRUNCATE"):
+            assert operation in guarded, (guard, triggers)
 
 
 def test_the_retried_now_outcome_keeps_sqlite_history_its_triggers_and_ids(tmp_path):

@@ -204,3 +204,135 @@ def test_outbox_migrate_says_what_it_applied(empty_url, tmp_path, revision):
     assert first.stdout.startswith("outbox migrate: applied outbox_0001")
     second = outbox_cli(tmp_path, "migrate", "--database-url", empty_url, "--revision", revision)
     assert "nothing to apply" in second.stdout
+
+
+# -- an application with a history of its own ------------------------------------------------------------
+
+MORE_MODELS = """
+orders = Table("orders", metadata, Column("id", Integer, primary_key=True))
+"""
+EVEN_MORE_MODELS = """
+invoices = Table("invoices", metadata, Column("id", Integer, primary_key=True))
+refunds = Table("refunds", metadata, Column("id", Integer, primary_key=True))
+"""
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "migrations.md"
+
+
+def alembic_fails(folder: Path, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "alembic", *args], cwd=folder, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0, f"{args} should have failed: {done.stdout}{done.stderr}"
+    return done.stdout + done.stderr
+
+
+def add_models(app: Path, source: str) -> None:
+    models = app / "app_models.py"
+    models.write_text(models.read_text() + source)
+
+
+def revision_file(app: Path, message: str) -> Path:
+    (found,) = (app / "migrations" / "versions").glob(f"*_{message}.py")
+    return found
+
+
+def emit_one(url: str) -> None:
+    engine = create_engine(url)
+    try:
+        ob = outbox.Outbox()
+        ob.route("kept.event", lambda message: None, name="kept")
+        ob.install(sessions := sessionmaker(engine))
+        with sessions.begin() as session:
+            outbox.emit(session, "kept.event", {"n": 1})
+        ob.uninstall(sessions)
+    finally:
+        engine.dispose()
+
+
+def test_the_branch_recipe_for_an_application_with_revisions_of_its_own(empty_url, tmp_path):
+    guide = GUIDE.read_text()
+    app = tmp_path / "app"
+    init_app(app, empty_url, hook="include_object=outbox.include_object")
+    # Two revisions of the application's own, with no branch label: the history the recipe meets.
+    alembic(app, "revision", "--autogenerate", "-m", "customers")
+    add_models(app, MORE_MODELS)
+    alembic(app, "upgrade", "head")
+    alembic(app, "revision", "--autogenerate", "-m", "orders")
+    alembic(app, "upgrade", "head")
+    first = revision_file(app, "customers").name.split("_")[0]
+    second = revision_file(app, "orders").name.split("_")[0]
+    assert versions(empty_url, "alembic_version") == {second}
+
+    # The guide's edits to alembic.ini.
+    assert "version_locations = %(here)s/migrations/versions outbox:migrations/versions" in guide
+    ini = app / "alembic.ini"
+    ini.write_text(
+        ini.read_text()
+        .replace("path_separator = os", "path_separator = space")
+        .replace(
+            "# version_locations = %(here)s/bar:%(here)s/bat:%(here)s/alembic/versions",
+            "version_locations = %(here)s/migrations/versions outbox:migrations/versions",
+        )
+    )
+    heads = alembic(app, "heads")
+    assert f"{second} (head)" in heads and f"{head()} (outbox) (head)" in heads
+    refused = alembic_fails(app, "upgrade", "head")
+    assert "Multiple head revisions are present for given argument 'head'" in refused
+    assert "Multiple head revisions are present for given argument 'head'" in guide.replace("\n", " ")
+    assert "alembic upgrade heads" in guide
+    alembic(app, "upgrade", "heads")
+    assert tables(empty_url) >= OUTBOX_TABLES | {"customers", "orders"}
+    assert versions(empty_url, "alembic_version") == {second, head()}
+    assert "No new upgrade operations detected" in alembic(app, "check")
+
+    # A new revision: refused without a head, then after the revision's own branch by id ...
+    add_models(app, EVEN_MORE_MODELS.splitlines()[1] + "\n")
+    alembic_fails(app, "revision", "--autogenerate", "-m", "invoices")
+    assert "Can't locate revision identified by 'app'" in alembic_fails(
+        app, "revision", "--autogenerate", "-m", "invoices", "--head", "app@head"
+    )
+    assert "--head 1975ea83b712@head" in guide
+    alembic(app, "revision", "--autogenerate", "-m", "invoices", "--head", f"{first}@head")
+    alembic(app, "upgrade", "heads")
+    # ... then by the label the guide says to add to the first revision.
+    base = revision_file(app, "customers")
+    source = base.read_text()
+    assert source.count("branch_labels: Union[str, Sequence[str], None] = None") == 1
+    assert 'branch_labels = ("app",)' in guide
+    base.write_text(source.replace("= None\ndepends_on", '= ("app",)\ndepends_on'))
+    add_models(app, EVEN_MORE_MODELS.splitlines()[2] + "\n")
+    alembic(app, "revision", "--autogenerate", "-m", "refunds", "--head", "app@head")
+    alembic(app, "upgrade", "heads")
+    fourth = revision_file(app, "refunds").name.split("_")[0]
+    assert versions(empty_url, "alembic_version") == {fourth, head()}
+    assert tables(empty_url) >= OUTBOX_TABLES | {"customers", "orders", "invoices", "refunds"}
+    assert "outbox" not in revision_file(app, "refunds").read_text().split("def downgrade")[0]
+
+    # Down the application's branch alone, by label or by a revision of it.
+    alembic(app, "downgrade", "app@base")
+    assert versions(empty_url, "alembic_version") == {head()}
+    assert not tables(empty_url) & {"customers", "orders", "invoices", "refunds"}
+    alembic(app, "upgrade", "heads")
+
+    # `alembic downgrade base` takes the outbox's tables and their history with it, unasked ...
+    emit_one(empty_url)
+    alembic(app, "downgrade", "base")
+    assert not tables(empty_url) & (OUTBOX_TABLES | {"customers"})
+    assert versions(empty_url, "alembic_version") == set()
+
+    # ... unless a record the outbox keeps would go: it refuses, and what is left depends on the database.
+    alembic(app, "upgrade", "heads")
+    engine = create_engine(empty_url)
+    try:
+        outbox.ops.pause(engine, queue="mail", reason="maintenance", actor="tests")
+    finally:
+        engine.dispose()
+    refusal = alembic_fails(app, "downgrade", "base")
+    assert "RuntimeError: cannot downgrade below outbox_0010" in refusal
+    if empty_url.startswith("postgresql"):  # one transaction: nothing changed
+        assert versions(empty_url, "alembic_version") == {fourth, head()}
+        assert tables(empty_url) >= OUTBOX_TABLES | {"customers", "refunds"}
+    else:  # what ran before the refusal stays done
+        assert versions(empty_url, "alembic_version") == {"outbox_0010"}
+        assert not tables(empty_url) & {"customers", "refunds", "outbox_breaker", "outbox_relay_registry"}
+        assert tables(empty_url) >= {"outbox_message", "outbox_attempt", "outbox_pause", "outbox_pause_log"}

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import nats
 import pytest
 from relayproc import RelayProcess, wait_until
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -225,17 +225,37 @@ def test_each_message_reaches_a_consumer_once_with_envelope_headers_and_body(eng
     assert sorted(d["seq"] for d in details) == list(range(1, 41))
 
 
+def _first_try_fails(message: Message) -> bool:
+    return message.attempt == 1 and message.payload["i"] % 5 == 0
+
+
 class _RetryFirst(NatsPublisher):
-    """Every fifth message fails its first attempt before publishing: retries inside groups."""
+    """Every fifth message fails its first attempt before publishing: retries inside groups.
+
+    It wraps ``__call__`` alone, so the relay calls it once per message.
+    """
 
     async def __call__(self, message: Message) -> dict[str, Any]:
-        if message.attempt == 1 and message.payload["i"] % 5 == 0:
+        if _first_try_fails(message):
             raise RetryLater("not yet")
         return await super().__call__(message)
 
 
-def test_group_key_keeps_per_key_order_through_retries(engine: Engine, stream: Stream):
-    pub = _RetryFirst(URL, subject=f"{stream.prefix}.{{event_type}}", stream=stream.name)
+class _RetryFirstBatch(NatsPublisher):
+    """The same, for batches: the relay hands it a claim's messages at once."""
+
+    batches: list[list[str]]
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[Any]:
+        self.batches.append([str(msg.group_key) for msg in messages])
+        sent = iter(await super().outbox_deliver_batch([m for m in messages if not _first_try_fails(m)]))
+        return [RetryLater("not yet") if _first_try_fails(m) else next(sent) for m in messages]
+
+
+@pytest.mark.parametrize("kind", [_RetryFirst, _RetryFirstBatch])
+def test_group_key_keeps_per_key_order_through_retries(engine: Engine, stream: Stream, kind: Any):
+    pub = kind(URL, subject=f"{stream.prefix}.{{event_type}}", stream=stream.name)
+    pub.batches = []
     ob, maker = setup(engine, pub)
     with maker() as s, s.begin():
         for i in range(60):
@@ -247,6 +267,46 @@ def test_group_key_keeps_per_key_order_through_retries(engine: Engine, stream: S
         body = json.loads(msg.data)
         seen.setdefault(body["key"], []).append(body["i"])
     assert seen == {f"k{k}": list(range(k, 60, 4)) for k in range(4)}
+    if kind is _RetryFirstBatch:  # a group's next message waits for the one before: one of each a batch
+        assert pub.batches and max(len(b) for b in pub.batches) == 4
+        assert all(len(set(b)) == len(b) for b in pub.batches)
+
+
+class _Batches(NatsPublisher):
+    """The real publisher, noting how many messages each batch the relay hands it holds."""
+
+    sizes: list[int]
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[Any]:
+        self.sizes.append(len(messages))
+        return await super().outbox_deliver_batch(messages)
+
+
+def test_a_claim_is_published_as_one_batch_and_each_message_fails_alone(engine: Engine, stream: Stream):
+    """One subject no stream captures, one that is not a subject: dead alone; the batch's others stored."""
+    pub = _Batches(URL, subject="{aggregate_type}.order", stream=stream.name)
+    pub.sizes = []
+    ob, maker = setup(engine, pub, max_attempts=3)
+    emit_n(maker, 8)
+    kinds = {n: f"{stream.prefix}.n{n}" for n in range(8)}
+    kinds[3] = f"unstreamed{uuid.uuid4().hex[:8]}"  # no stream captures it
+    kinds[5] = "not a subject"
+    with engine.begin() as conn:
+        for r in list(conn.execute(select(m.c.id, m.c.payload))):
+            conn.execute(update(m).where(m.c.id == r.id).values(aggregate_type=kinds[r.payload["n"]]))
+
+    Relay(ob, engine, concurrency=20).run_until_idle()
+
+    assert pub.sizes == [8]
+    state = {r.payload["n"]: (r.status, r.attempts) for r in rows(engine)}
+    assert state == {n: ("dead", 1) if n in (3, 5) else ("delivered", 1) for n in range(8)}
+    history = {h.message_id: h for h in attempts(engine)}
+    by_n = {r.payload["n"]: history[r.id] for r in rows(engine)}
+    assert len(history) == 8
+    assert by_n[3].detail["reason"] == "no_stream" and by_n[3].detail["subject"] == f"{kinds[3]}.order"
+    assert by_n[5].detail["reason"] == "bad_subject"
+    assert sorted(by_n[n].detail["seq"] for n in (0, 1, 2, 4, 6, 7)) == list(range(1, 7))
+    assert sorted(json.loads(msg.data)["n"] for msg in stream.messages()) == [0, 1, 2, 4, 6, 7]
 
 
 # -- deduplication ----------------------------------------------------------------------------------
@@ -519,3 +579,30 @@ def test_nats_down_at_start_defers_the_check_and_publishes_are_uncounted_retries
     assert time.monotonic() - began < 10
     assert actions(caplog, "nats_window_deferred")
     assert not retry.counts_as_attempt and retry.detail == {"reason": "connect"}
+
+
+def test_a_wildcard_route_checks_the_window_of_the_stream_it_names_or_refuses_without_one(
+    sqlite_engine: Engine, stream: Stream, caplog: pytest.LogCaptureFixture
+):
+    subject = f"{stream.prefix}.{{event_type}}"
+    ob = Outbox()
+    route = ob.route("order.*", NatsPublisher(URL, subject=subject, on_short_window="refuse"), name="to_nats")
+    with pytest.raises(ConfigurationError, match="is a pattern, so subject .* varies per message"):
+        asyncio.run(route.handler.outbox_start(route, longest_retry_gap=10.0))
+
+    # With the stream named, the check runs; each message's subject is made from its own event type.
+    pub = NatsPublisher(URL, subject=subject, stream=stream.name, on_short_window="refuse")
+    ob = Outbox(default_backoff=FAST)
+    ob.route("order.*", pub, name="to_nats", max_attempts=3, backoff=Backoff(0.5, 2))
+    maker = sessionmaker(sqlite_engine)
+    ob.install(maker)
+    with maker() as s, s.begin():
+        emit(s, "order.paid", {"n": 1})
+        emit(s, "order.placed", {"n": 2})
+    with caplog.at_level(logging.INFO, "outbox"):
+        assert Relay(ob, sqlite_engine, lease=5).run_until_idle().delivered == 2
+    assert actions(caplog, "nats_window_ok")
+    assert sorted(msg.subject for msg in stream.messages()) == [
+        f"{stream.prefix}.order.paid",
+        f"{stream.prefix}.order.placed",
+    ]

@@ -722,7 +722,7 @@ def test_purge_deletes_finished_messages_then_history_and_nothing_else(seeded):
     first = ok_json(
         run("purge", "--delivered-older-than", "0s", "--batch-size", "1", "--json", database_url=seeded.url)
     )
-    assert first == {"messages": 3, "attempts": 0, "batches": 3}
+    assert first == {"messages": 3, "attempts": 0, "markers": 0, "batches": 3}
     assert statuses(engine) == {
         "order:7": "dead",
         "order:8": "dead",

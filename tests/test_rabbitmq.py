@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -253,6 +254,32 @@ def test_same_group_arrives_in_emit_order(engine, ob, maker, broker):
         assert seen == sorted(seen) and len(seen) == 10
 
 
+def test_the_guides_wildcard_route_publishes_every_order_event_under_its_own_routing_key(
+    engine, ob, maker, broker
+):
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "brokers.md").read_text()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if '"order.*",' in block]
+    assert '"amqp://orders:secret@rabbit.internal/prod"' in example and 'exchange="orders"' in example
+    broker.bind("orders.#")
+    runnable = example.replace('"amqp://orders:secret@rabbit.internal/prod"', repr(BROKER)).replace(
+        'exchange="orders"', f"exchange={broker.exchange!r}"
+    )
+    exec(compile(runnable, "brokers.md", "exec"), {"ob": ob})
+    with maker() as s, s.begin():
+        emit(s, "order.placed", {"n": 1})
+        emit(s, "order.paid", {"n": 2})
+        with pytest.raises(outbox.UnroutedEvent, match=r"Patterns: order\.\*"):
+            emit(s, "order.paid.late", {"n": 3})
+    drain(ob, engine)
+
+    arrived = broker.drain()
+    assert sorted((x.body["n"], x.routing_key, x.headers["ce-type"]) for x in arrived) == [
+        (1, "orders.order.placed", "order.placed"),
+        (2, "orders.order.paid", "order.paid"),
+    ]
+    assert {r.status for r in rows(engine)} == {"delivered"}
+
+
 def test_unroutable_is_dead_with_the_reason_and_a_requeued_copy_keeps_its_ce_id(engine, ob, maker, broker):
     broker.bind("order.*")
     ob.route("invoice.sent", RabbitMQPublisher(BROKER, broker.exchange), name="invoices_rabbit")
@@ -295,6 +322,73 @@ def test_one_publisher_in_two_routes_records_each_routes_own_outcome(engine, ob,
     arrived = broker.drain(only_second)
     assert sorted(x.body["n"] for x in arrived) == list(range(40))
     assert {x.routing_key for x in arrived} == {"second.order.paid"}
+
+
+class Batches(RabbitMQPublisher):
+    """The real publisher, noting how many messages each batch the relay hands it holds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sizes: list[int] = []
+
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[Any]:
+        self.sizes.append(len(messages))
+        return await super().outbox_deliver_batch(messages)
+
+
+def test_a_claim_is_published_as_one_batch_with_one_history_row_per_message(engine, ob, maker, broker):
+    queue = broker.bind("#")
+    publisher = Batches(BROKER, broker.exchange)
+    ob.route("order.paid", publisher, name="orders_rabbit")
+    with maker() as s, s.begin():
+        for n in range(30):
+            emit(s, "order.paid", {"n": n})
+
+    Relay(ob, engine, concurrency=50).run_until_idle()
+
+    assert publisher.sizes == [30]
+    assert sorted(x.body["n"] for x in broker.drain(queue)) == list(range(30))
+    assert [(h.attempt, h.outcome, h.detail["routing_key"]) for h in history(engine)] == [
+        (1, "delivered", "order.paid")
+    ] * 30
+
+
+def test_in_one_batch_an_unroutable_and_an_unfillable_message_fail_alone(engine, ob, maker, broker):
+    """Two messages of the batch share a ce-id (message_id): the return must reach the right one."""
+    queue = broker.bind("orders.paid")
+    publisher = Batches(BROKER, broker.exchange, routing_key="{aggregate_type}.paid")
+    ob.route("order.paid", publisher, name="orders_rabbit")
+    with maker() as s, s.begin():
+        for n in range(6):
+            emit(s, "order.paid", {"n": n})
+    kinds = {0: "orders", 1: "nobody", 2: "orders", 3: None, 4: "orders", 5: "orders"}
+    with engine.begin() as conn:
+        ids = {r.payload["n"]: r for r in conn.execute(select(m.c.id, m.c.payload, m.c.event_id))}
+        for n, kind in kinds.items():
+            conn.execute(update(m).where(m.c.id == ids[n].id).values(aggregate_type=kind))
+        # The unroutable message's event id on a routable one too: one AMQP message_id, two publishes.
+        conn.execute(update(m).where(m.c.id == ids[2].id).values(event_id=ids[1].event_id))
+
+    Relay(ob, engine).run_until_idle()
+
+    assert publisher.sizes == [6]
+    state = {r.payload["n"]: (r.status, r.attempts) for r in rows(engine)}
+    assert state == {
+        0: ("delivered", 1),
+        1: ("dead", 1),
+        2: ("delivered", 1),
+        3: ("dead", 1),
+        4: ("delivered", 1),
+        5: ("delivered", 1),
+    }
+    by_id = {h.message_id: h for h in history(engine)}
+    assert len(by_id) == 6
+    unroutable, unfillable = by_id[ids[1].id], by_id[ids[3].id]
+    assert unroutable.detail["reason"] == "unroutable" and "'nobody.paid'" in unroutable.error
+    assert "needs aggregate_type" in unfillable.error
+    arrived = broker.drain(queue)
+    assert sorted(x.body["n"] for x in arrived) == [0, 2, 4, 5]
+    assert [x.message_id for x in arrived if x.body["n"] == 2] == [str(ids[1].event_id)]
 
 
 def test_unroutable_can_be_retried_until_a_queue_is_bound(engine, ob, maker, broker):

@@ -123,3 +123,47 @@ def test_the_relays_hot_path_connections_never_jit_compile(pg_url):
         return str(rows[0].jit)
 
     assert asyncio.run(setting()) == "off"
+
+
+def test_a_relay_holds_three_connections_of_its_own_and_borrows_the_rest_from_its_pool(pg_url):
+    """What docs/frameworks.md counts per relay: LISTEN, claims and outcomes, plus its engine's pool."""
+    from relayproc import wait_until
+
+    pool_size = 5  # SQLAlchemy's default, made strict: no overflow
+    engine = create_engine(pg_url, pool_size=pool_size, max_overflow=0)
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        own_pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    delivered: list[int] = []
+    ob = Outbox()
+    ob.route("e", lambda message: delivered.append(message.id), name="r")
+    maker = sessionmaker(engine)
+    ob.install(maker)
+    relay = Relay(ob, engine, poll_interval=0.1)
+    thread = threading.Thread(target=relay.run)
+    seen: dict[int, str] = {}
+    thread.start()
+    try:
+        for batch in range(20):
+            with maker.begin() as s:
+                for number in range(5):
+                    emit(s, "e", {"n": batch * 5 + number})
+            with admin.connect() as conn:
+                rows = conn.execute(
+                    text(
+                        "SELECT pid, application_name FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> :own"
+                    ),
+                    {"own": own_pid},
+                ).all()
+            assert len(rows) <= 3 + pool_size, rows  # the test's own emits share the pool
+            seen.update(dict(rows))  # type: ignore[arg-type]
+        wait_until(lambda: len(delivered) == 100, "every message delivered")
+    finally:
+        relay.stop()
+        thread.join(10)
+        ob.uninstall(maker)
+        engine.dispose()
+        admin.dispose()
+    own = sorted(name for name in seen.values() if name.startswith("outbox-relay"))
+    assert own == ["outbox-relay claim", "outbox-relay listen", "outbox-relay write"]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aging import age_history
@@ -29,14 +30,14 @@ from test_email import start_server
 from test_ops_cli import assert_one_line_error, ok, ok_json, run
 
 import outbox
-from outbox import Backoff, Message, Outbox, PermanentError, emit, ops
+from outbox import Backoff, Message, Outbox, PermanentError, emit, ops, signals
 from outbox.integrations.email import EmailHandler, outbox_email_sent
 from outbox.integrations.report import ReportJob, outbox_report_chunk
 from outbox.ops import relays
 from outbox.relay import Relay
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
-ROLES = ("outbox_app", "outbox_relay", "outbox_operator")
+ROLES = ("outbox_app", "outbox_relay", "outbox_operator", "outbox_consumer")
 m, a = outbox.outbox_message, outbox.outbox_attempt
 
 sales = Table("sales", MetaData(), Column("id", Integer, primary_key=True), Column("region", String(20)))
@@ -70,8 +71,9 @@ def guide_roles(pg_url: str) -> Iterator[Roles]:
     """The guide's roles in ``pg_url``'s database, with unique names; dropped again afterwards."""
     suffix = uuid.uuid4().hex[:10]
     names = {role: f"{role}_{suffix}" for role in ROLES}
-    sql = re.sub(r"\b(outbox_app|outbox_relay|outbox_operator)\b", lambda r: names[r.group(1)], roles_sql())
-    assert sql.count("CREATE ROLE") == 3
+    pattern = r"\b(outbox_app|outbox_relay|outbox_operator|outbox_consumer)\b"
+    sql = re.sub(pattern, lambda r: names[r.group(1)], roles_sql())
+    assert sql.count("CREATE ROLE") == len(ROLES)
     admin = create_engine(pg_url)
     with admin.begin() as conn:
         conn.exec_driver_sql(sql)  # the guide's block, as one script
@@ -154,8 +156,14 @@ def test_the_guides_roles_do_their_jobs_and_nothing_more(roles, pg_engine, reque
         for order in (1, 2):
             emit(s, "order.paid", {"order_id": order}, key=f"order:{order}")
         run_id = shop.report.start(s)
+    duplicates: list[dict[str, Any]] = []
+    signals.event_deduplicated.connect(lambda sender, **kw: duplicates.append(kw), sender=shop.ob, weak=False)
     with maker.begin() as s:  # the retried request: ON CONFLICT on the key, no error, nothing stored
         emit(s, "order.paid", {"order_id": 1, "again": True}, key="order:1")
+    # ... and announced, naming the message that holds the key: the guide's grant lets it read the id.
+    with pg_engine.connect() as conn:
+        holder = conn.execute(select(m.c.id).where(m.c.idempotency_key == "order:1")).scalar_one()
+    assert [(kw["key"], kw["existing_id"]) for kw in duplicates] == [("order:1", holder)]
     with maker.begin() as s:  # due in an hour: the operator discards it below
         emit(s, "order.paid", {"order_id": 3}, key="order:3", delay=3600)
     assert len(statuses(pg_engine)) == 1 + 3 + 3  # mail, three orders, three report chunks
@@ -267,7 +275,7 @@ def test_the_guides_roles_do_their_jobs_and_nothing_more(roles, pg_engine, reque
         )
     )
     # Every delivered or discarded message except the requeued original (dead, kept for the record).
-    assert purged == {"messages": 7, "attempts": history_rows, "batches": 2}
+    assert purged == {"messages": 7, "attempts": history_rows, "markers": 0, "batches": 2}
     assert set(_ids(pg_engine).values()) == {dead}
     with pg_engine.connect() as conn:
         (retention,) = conn.execute(select(outbox.outbox_retention_run)).all()
@@ -375,7 +383,7 @@ def test_the_operator_resends_over_its_own_login_and_the_database_stamps_it(
     import outbox.ops._resend as resending
     from outbox.dashboard import create_app
 
-    app, relay_engine, operator = (roles.engine(r) for r in ROLES)
+    app, relay_engine, operator = (roles.engine(r) for r in ROLES[:3])
     received: list[Message] = []
     ob = Outbox()
     ob.route("order.paid", received.append, name="partner_webhook")
@@ -445,7 +453,7 @@ def test_relays_share_breakers_and_the_operator_resets_them_over_their_own_login
 
     from outbox.integrations.webhook import WebhookHandler
 
-    app, relay_engine, operator = (roles.engine(r) for r in ROLES)
+    app, relay_engine, operator = (roles.engine(r) for r in ROLES[:3])
     receiver = Receiver()
     receiver.default = Reply(500)
     serving = serve(receiver)
@@ -586,7 +594,7 @@ def _ids(engine: Engine) -> dict[tuple[str, str | None], int]:
 
 
 def test_the_guides_block_is_the_one_this_test_runs():
-    """A guard for the extraction itself: three roles, only GRANT/CREATE ROLE, and no superpowers."""
+    """A guard for the extraction itself: four roles, only GRANT/CREATE ROLE, and no superpowers."""
     sql = roles_sql()
     statements = [s.strip() for s in re.sub(r"--[^\n]*", "", sql).split(";") if s.strip()]
     assert all(s.startswith(("CREATE ROLE", "GRANT")) for s in statements), statements

@@ -14,8 +14,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from outbox import Backoff, Message, Outbox, PermanentError, RetryLater, emit
 from outbox.testing import Recording, adrain, drain, messages, recording
@@ -171,6 +173,61 @@ def test_every_kind_of_bind_reads_the_same_rows(engine, database_url, sessions):
         assert [r.payload for r in rec.messages()] == [{"order_id": 2}]
     by_url = messages(database_url)
     assert [r.id for r in by_url[:-1]] == expected and by_url[-1].payload == {"order_id": 2}
+
+
+def async_url(database_url: str) -> str:
+    url = make_url(database_url)
+    driver = "sqlite+aiosqlite" if url.get_backend_name() == "sqlite" else "postgresql+asyncpg"
+    return url.set(drivername=driver).render_as_string(hide_password=False)
+
+
+def test_async_engines_sessions_and_urls_read_the_same_rows(engine, database_url, sessions):
+    """What an async application's tests hold: no second, synchronous URL needed."""
+    pay(sessions, 1)
+    expected = [r.id for r in messages(engine)]
+    url = async_url(database_url)
+    app_engine = create_async_engine(url, poolclass=NullPool)
+    try:
+        assert [r.id for r in messages(url)] == expected
+        assert [r.id for r in messages(app_engine)] == expected
+        assert [r.id for r in messages(AsyncSession(app_engine))] == expected
+        with recording(AsyncSession(app_engine)) as rec:
+            pay(sessions, 2)
+        assert [r.payload for r in rec.messages()] == [{"order_id": 2}]
+        with recording(url) as rec:
+            pay(sessions, 3)
+        rec.assert_emitted("order.paid", payload={"order_id": 3}, count=1)
+
+        async def through_a_connection() -> list[int]:
+            async with app_engine.connect() as conn:
+                return [r.id for r in messages(conn)]
+
+        assert len(asyncio.run(through_a_connection())) == 3
+    finally:
+        asyncio.run(app_engine.dispose())
+
+
+def test_drain_and_adrain_take_async_binds(engine, database_url, sessions, app):
+    url = async_url(database_url)
+    signup(sessions, "a@example.com")
+    assert drain(app.ob, url).delivered == 2
+    signup(sessions, "b@example.com")
+    app_engine = create_async_engine(url, poolclass=NullPool)
+    try:
+        assert drain(app.ob, AsyncSession(app_engine)).delivered == 2
+        signup(sessions, "c@example.com")
+        assert asyncio.run(adrain(app.ob, app_engine)).delivered == 2
+    finally:
+        asyncio.run(app_engine.dispose())
+    assert sorted(app.mailer.sent) == ["a@example.com", "b@example.com", "c@example.com"]
+    assert {r.status for r in messages(engine)} == {"delivered"}
+
+
+def test_a_bind_of_another_kind_is_refused_by_name(sessions):
+    from outbox import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="expected an Engine, an AsyncEngine, .* got sessionmaker"):
+        messages(sessions)
 
 
 # -- drain ------------------------------------------------------------------------------------------

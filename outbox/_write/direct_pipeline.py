@@ -39,6 +39,7 @@ __all__ = ["DirectBatch", "Statement", "prepared_statement"]
 _SYNC = pq.ExecStatus.PIPELINE_SYNC
 _FATAL = pq.ExecStatus.FATAL_ERROR
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _COMMIT = b"COMMIT"
 _HAS_POLL = hasattr(select, "poll")
 
@@ -63,7 +64,7 @@ def prepared_statement(raw: psycopg.Connection[Any], sql: str, params: Sequence[
 class DirectBatch:
     """The INSERT sent in libpq pipeline mode; the COMMIT may follow; one Sync ends it."""
 
-    __slots__ = ("_raw", "_pgconn", "inserted")
+    __slots__ = ("_raw", "_pgconn", "inserted", "_stored", "committed")
 
     def __init__(self, raw: psycopg.Connection[Any], statement: Statement) -> None:
         name, params, formats = statement
@@ -71,6 +72,11 @@ class DirectBatch:
         self._pgconn = pgconn = raw.pgconn
         #: The INSERT's reply said it succeeded (known once ``finish`` has read it).
         self.inserted = False
+        #: Its RETURNING rows, when it has a RETURNING clause (a batch with keys).
+        self._stored: pq.abc.PGresult | None = None
+        #: The COMMIT's reply said it committed: true from the moment it is read,
+        #: even if the connection is lost before the Sync's.
+        self.committed = False
         pgconn.enter_pipeline_mode()
         try:
             pgconn.send_query_prepared(name, params, param_formats=formats)
@@ -94,19 +100,40 @@ class DirectBatch:
             result = pgconn.get_result()
             if result is None:  # the end of one statement's replies
                 if pgconn.status != pq.ConnStatus.OK:
-                    raise psycopg.OperationalError("the connection was lost before the commit's replies")
+                    raise psycopg.OperationalError("the connection was lost reading the commit's replies")
                 continue
             status = result.status
             if status == _SYNC:
                 break
             replies += 1
-            if status == _COMMAND_OK and replies == 1:
+            if replies == 1 and status in (_COMMAND_OK, _TUPLES_OK):
                 self.inserted = True
+                self._stored = result if status == _TUPLES_OK else None
+            elif status == _COMMAND_OK and replies == 2 and result.command_status == _COMMIT:
+                # (A COMMIT in a failed transaction answers ROLLBACK.)
+                self.committed = True
             elif status == _FATAL and refusal is None:
                 refusal = result
         pgconn.exit_pipeline_mode()
         if refusal is not None:
             raise error_from_result(refusal, encoding=self._raw.info.encoding)
+
+    def stored_count(self) -> int:
+        """How many rows the INSERT's RETURNING gave back: the rows it stored."""
+        return 0 if self._stored is None else self._stored.ntuples
+
+    def stored_pairs(self) -> list[tuple[str | None, str | None]]:
+        """The RETURNING rows, ``(handler, idempotency_key)`` as text."""
+        result, encoding = self._stored, self._raw.info.encoding
+        if result is None:
+            return []
+        return [
+            tuple(  # type: ignore[misc]
+                None if (value := result.get_value(row, column)) is None else bytes(value).decode(encoding)
+                for column in (0, 1)
+            )
+            for row in range(result.ntuples)
+        ]
 
     def leave(self, exc_info: Any = None) -> None:
         """After a failure: leave pipeline mode if libpq allows it (nothing may be left to read)."""

@@ -13,8 +13,10 @@ from sqlalchemy.orm import Session
 from .. import signals
 from .._exceptions import ConfigurationError, EmitError, InvalidEmitOption, UnroutedEvent
 from .._routes import Route, check_name, check_priority
+from .._topic import is_topic_pattern
 from .._tracing import emit_headers
 from .install import outbox_for, write_late
+from .keys import KEY_LIMIT, KeyTemplate, check_payload_ids, fill_key
 from .payload import check_headers, route_document, serialise_payload, text_problem
 from .pending import PendingEvent, events_of, innermost
 from .rows import AGGREGATE_LIMIT, aggregate_identity
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["emit"]
 
-_KEY_LIMIT = 255
+#: The longest key or group key text accepted before placeholders are filled in.
+_WRITTEN_LIMIT = 4 * KEY_LIMIT
 #: Far enough for any reminder; beyond it timestamps overflow (year 9999) and rows become unreadable.
 MAX_DELAY = timedelta(days=3650)
 #: Events with an idempotency key get a deterministic id, so emitting the same
@@ -33,14 +36,15 @@ _KEYED_EVENT_NAMESPACE = uuid.UUID("6f1c2a52-3b7e-4e0e-9f0e-0a6f5d0c7b1e")
 
 
 def _check_key(name: str, value: Any) -> str | None:
+    """A string worth storing; its placeholders and length are judged by ``fill_key``."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise InvalidEmitOption(f"{name} must be a string, got {type(value).__name__}")
     if not value.strip():
         raise InvalidEmitOption(f"{name} must not be empty; pass None for no {name}")
-    if len(value) > _KEY_LIMIT:
-        raise InvalidEmitOption(f"{name} must be at most {_KEY_LIMIT} characters, got {len(value)}")
+    if len(value) > _WRITTEN_LIMIT:  # no template that long can fit the column: spare the parser
+        raise InvalidEmitOption(f"{name} must be at most {KEY_LIMIT} characters, got {len(value)}")
     problem = text_problem(value)
     if problem:
         raise InvalidEmitOption(f"{name} {problem}")
@@ -117,10 +121,10 @@ def _check_queue(queue: Any) -> str | None:
         raise InvalidEmitOption(str(exc)) from None
 
 
-def _check_aggregate(aggregate: Any) -> str:
-    """The aggregate type to store; refuses an aggregate whose type or known id the columns cannot hold.
+def _check_aggregate(aggregate: Any) -> tuple[str, str | None]:
+    """The aggregate type to store and the id if known; refuses a type or known id the columns cannot hold.
 
-    An id the database has not assigned yet is checked when the event is written.
+    An id the database has not assigned yet (None) is checked when the event is written.
     """
     aggregate_type = getattr(type(aggregate), "__outbox_aggregate_type__", None) or type(aggregate).__name__
     if not isinstance(aggregate_type, str) or len(aggregate_type) > AGGREGATE_LIMIT:
@@ -131,8 +135,8 @@ def _check_aggregate(aggregate: Any) -> str:
     problem = text_problem(aggregate_type)
     if problem:
         raise EmitError(f"__outbox_aggregate_type__ of {type(aggregate).__name__} {problem}")
-    aggregate_identity(aggregate)  # raises EmitError now, while the transaction is intact
-    return aggregate_type
+    # Raises EmitError now, while the transaction is intact.
+    return aggregate_type, aggregate_identity(aggregate)
 
 
 def _sync(session: Session | AsyncSession) -> Session:
@@ -169,9 +173,15 @@ def emit(
     ``expires_at`` (an aware datetime): no relay hands the event to a handler
     from then on. Each route's message keeps the earlier of it and its
     route's ``expires_after`` from the time the row is stored.
+
+    ``key`` and ``group_key`` may hold ``{event_type}``, and from an
+    ``OutboxMixin`` object ``{aggregate_type}`` and ``{aggregate_id}`` (filled
+    when the row is written if the id is not assigned yet; see ``keys``). A
+    route that already holds the key stores nothing: announced after the
+    commit by ``signals.event_deduplicated`` (see ``dedupe``).
     """
     sync_session = _sync(session)
-    outbox = outbox_for(sync_session)
+    outbox = outbox_for(sync_session, session)
     if sync_session.twophase:
         raise ConfigurationError(
             "emit() cannot be used in a two-phase (twophase=True) session: PostgreSQL refuses "
@@ -181,6 +191,11 @@ def emit(
         raise InvalidEmitOption(f"event_type must be a non-empty string, got {event_type!r}")
     routes = outbox.routes_for(event_type)
     if not routes:
+        if is_topic_pattern(event_type):
+            raise InvalidEmitOption(
+                f"event_type {event_type!r} is a pattern ('*' and '#' words are wildcards): "
+                "routes subscribe to patterns, an emit names one event type"
+            )
         raise UnroutedEvent(event_type, outbox.event_types)
     key = _check_key("key", key)
     group_key = _check_key("group_key", group_key)
@@ -192,10 +207,33 @@ def emit(
     header_map = check_headers(headers)
     if outbox.trace_context:  # the emitting trace, stored with the event (a no-op without [otel])
         header_map = emit_headers(header_map, baggage=outbox.trace_baggage)
-    document = serialise_payload(payload, outbox.payload_limit, outbox.payload_depth_limit)
+    document = serialise_payload(
+        payload, outbox.payload_limit, outbox.payload_depth_limit, outbox.json_default
+    )
 
-    event_id = uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{key}") if key is not None else uuid.uuid4()
-    aggregate_type = None if _aggregate is None else _check_aggregate(_aggregate)
+    aggregate_type, aggregate_id = (None, None) if _aggregate is None else _check_aggregate(_aggregate)
+    stored_key: str | KeyTemplate | None = key
+    stored_group: str | KeyTemplate | None = group_key
+    waits_for_id = False
+    if key is not None or group_key is not None:
+        fill = {
+            "event_type": event_type,
+            "aggregate": _aggregate,
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+        }
+        stored_key = fill_key("key", key, **fill)
+        stored_group = fill_key("group_key", group_key, **fill)
+        waits_for_id = isinstance(stored_key, KeyTemplate) or isinstance(stored_group, KeyTemplate)
+    if aggregate_type is not None and aggregate_id is None:
+        check_payload_ids(document, _aggregate, aggregate_type)
+    # A key names the event, so the same key gives the same id; one still waiting for the
+    # aggregate's id cannot, and gets a random one as an unkeyed event does.
+    event_id = (
+        uuid.uuid5(_KEYED_EVENT_NAMESPACE, f"{event_type}\n{stored_key}")
+        if isinstance(stored_key, str)
+        else uuid.uuid4()
+    )
     rows = [
         {
             "event_id": event_id,
@@ -207,13 +245,19 @@ def emit(
             "payload": document
             if route.validator is None and route.transform is None
             else route_document(
-                route, event_type, payload, document, outbox.payload_limit, outbox.payload_depth_limit
+                route,
+                event_type,
+                payload,
+                document,
+                outbox.payload_limit,
+                outbox.payload_depth_limit,
+                outbox.json_default,
             ),
             "headers": header_map,
             "aggregate_type": aggregate_type,
             "aggregate_id": None,
-            "idempotency_key": key,
-            "group_key": group_key,
+            "idempotency_key": stored_key,
+            "group_key": stored_group,
             "max_attempts": route.max_attempts,
             "delay": wait,
             # The stored expires_at is the earlier of these, from the time the row is written.
@@ -237,6 +281,7 @@ def emit(
         rows=rows,
         aggregate=_aggregate,
         tag=innermost(sync_session),
+        waits_for_id=waits_for_id,
     )
     state.add(pending)
     if state.commit_written:

@@ -19,14 +19,18 @@ from .. import signals
 from .._exceptions import ConfigurationError, NotInstalled
 from .._tables import outbox_message
 from . import pipeline_hooks
+from .dedupe import announce
+from .not_installed import describe_target, not_installed_message
 from .pending import SessionEvents, events_of, innermost
 from .rows import aggregate_identity, write_events
 from .settings import EmitSettings
 
-__all__ = ["install", "outbox_for", "uninstall"]
+__all__ = ["install", "outbox_for", "uninstall", "write_owed"]
 
 _served: dict[type[Session], EmitSettings] = {}
 _listeners: dict[type[Session], list[tuple[str, Callable[..., Any]]]] = {}
+#: What each served class was installed through, described for NotInstalled.
+_targets: dict[type[Session], list[str]] = {}
 
 _TARGETS = (
     "a Session class, a sessionmaker, a scoped_session, "
@@ -90,13 +94,12 @@ def _owner(session: Session) -> type[Session] | None:
     return None
 
 
-def outbox_for(session: Session) -> EmitSettings:
+def outbox_for(session: Session, facade: Any = None) -> EmitSettings:
+    """The Outbox serving ``session``; ``facade`` is the AsyncSession the caller holds, if any."""
     owner = _owner(session)
     if owner is None:
-        raise NotInstalled(
-            f"no Outbox is installed for {type(session).__name__} sessions; call "
-            "ob.install(<your Session class or sessionmaker>) at start-up"
-        )
+        installed = (target for targets in _targets.values() for target in targets)
+        raise NotInstalled(not_installed_message(session, facade, installed))
     return _served[owner]
 
 
@@ -111,7 +114,9 @@ def _flush_owed(session: Session, *, pipelined: bool = False) -> None:
     if not owed:
         return
     # The outbox table's own bind, so sessionmaker(binds={...}) works without a default bind.
-    write_events(session.connection(bind_arguments=_OUTBOX_BIND), owed, pipelined=pipelined)
+    connection = session.connection(bind_arguments=_OUTBOX_BIND)
+    write_events(connection, owed, pipelined=pipelined)
+    state.connection = connection  # where dropped duplicates' holders are looked up after the commit
     current = innermost(session)
     for pending in owed:
         pending.written_in = current
@@ -134,6 +139,20 @@ def write_late(session: Session) -> None:
             return
     else:
         session.flush()
+    _flush_owed(session)
+
+
+def write_owed(session: Session) -> None:
+    """Write now what the session's commit would write: its aggregates flushed, its events stored.
+
+    For a test that reads its own transaction and never commits. Whatever
+    happens next (a commit, a savepoint rollback) treats the rows as it treats
+    rows a flush wrote.
+    """
+    state = events_of(session, create=False)
+    if state is None or not state.unwritten():
+        return
+    session.flush()
     _flush_owed(session)
 
 
@@ -229,13 +248,17 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
         if session.get_nested_transaction() is not None or not mine(session):
             return
         state = events_of(session, create=False)
-        if state is None or not signals.messages_committed.receivers:
+        if state is None:
             return
-        queues: dict[EmitSettings, set[str]] = {}
-        for pending in state.written():
-            queues.setdefault(pending.outbox, set()).update(row["queue"] for row in pending.rows)
-        for outbox, names in queues.items():
-            signals.messages_committed.send(outbox, session=session, queues=names)
+        written = state.written()
+        if signals.messages_committed.receivers:  # first: an embedded relay waits on it
+            queues: dict[EmitSettings, set[str]] = {}
+            for pending in written:
+                queues.setdefault(pending.outbox, set()).update(row["queue"] for row in pending.rows)
+            for outbox, names in queues.items():
+                signals.messages_committed.send(outbox, session=session, queues=names)
+        if any(pending.dropped for pending in written):
+            announce(session, state.connection, written)
 
     def after_soft_rollback(session: Session, previous: SessionTransaction) -> None:
         if mine(session):
@@ -253,6 +276,7 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
             state.commit_written = False
         if transaction.parent is None:
             state.ended(transaction)
+            state.connection = None
 
     return [
         ("after_transaction_create", after_transaction_create),
@@ -281,6 +305,9 @@ def install(outbox: EmitSettings, target: Any) -> None:
             event.listen(cls, name, fn)
         _listeners[cls] = listeners
     _served[cls] = outbox
+    described = describe_target(target, cls)
+    if described not in _targets.setdefault(cls, []):
+        _targets[cls].append(described)
 
 
 def uninstall(outbox: EmitSettings, target: Any) -> None:
@@ -288,5 +315,6 @@ def uninstall(outbox: EmitSettings, target: Any) -> None:
     if _served.get(cls) is not outbox:
         raise ConfigurationError(f"this Outbox is not installed on {cls.__name__}")
     del _served[cls]
+    _targets.pop(cls, None)
     for name, fn in _listeners.pop(cls, []):
         event.remove(cls, name, fn)

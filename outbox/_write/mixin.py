@@ -21,7 +21,9 @@ class OutboxMixin:
     instance and records ``aggregate_type`` (the class name, or
     ``__outbox_aggregate_type__``) and ``aggregate_id`` (its primary key, joined
     with ``:`` when composite). The id may be unknown at emit time; it is read
-    when the event is written, after the instance's row is flushed.
+    when the event is written, after the instance's row is flushed. So a key
+    names it as ``{aggregate_id}``, filled in then; a key, group key or payload
+    that holds the unset id itself (``None``) is refused (``_write/keys.py``).
     """
 
     __outbox_aggregate_type__: ClassVar[str | None] = None

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import date, datetime, time
+from decimal import Decimal
+from enum import Enum
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 from .._exceptions import InvalidEmitOption, PayloadError
 from .._redact import DEPTH_SHOWN
@@ -15,11 +20,18 @@ from .._redact import DEPTH_SHOWN
 if TYPE_CHECKING:
     from .._routes import Route
 
+#: ``Outbox(json_default=...)``: a JSON stand-in for a value, or TypeError (``json.dumps``'s ``default``).
+JsonDefault = Callable[[Any], Any]
+#: How many times in a row json_default may hand back something it must be asked about again.
+_CONVERSIONS = 8
+
 __all__ = [
     "DEFAULT_DEPTH_LIMIT",
     "DEFAULT_PAYLOAD_LIMIT",
     "MAX_DEPTH_LIMIT",
+    "JsonDefault",
     "check_headers",
+    "convert",
     "route_document",
     "serialise_payload",
     "text_problem",
@@ -142,17 +154,29 @@ def _find_unstorable(value: Any, parts: list[str], levels: int) -> str | None:
             if problem:
                 return problem
         return None
-    hint = ""
-    type_name = type(value).__name__
+    return f"{_path(parts)} is a {type(value).__name__}, which is {NOT_SERIALISABLE}{_hint(value)}"
+
+
+#: What every "this type cannot be stored" message says; a json_default that passed on it adds to it.
+NOT_SERIALISABLE = "not JSON-serialisable"
+_CONVERTS = " or let Outbox(json_default=outbox.json_default) convert it"
+
+
+def _hint(value: Any) -> str:
+    """What to store instead; for the kinds ``outbox.json_default`` converts, that it does."""
     if isinstance(value, Mapping):  # json.dumps writes dicts only: a mappingproxy, say, would fail there
-        hint = " (store dict(value))"
-    elif type_name in {"datetime", "date", "time"}:
-        hint = " (store value.isoformat())"
-    elif type_name in {"UUID", "Decimal"}:
-        hint = " (store str(value))"
-    elif type_name in {"bytes", "bytearray", "memoryview"}:
-        hint = " (store base64 text, or better a reference to the data)"
-    return f"{_path(parts)} is a {type_name}, which is not JSON-serialisable{hint}"
+        return " (store dict(value))"
+    if isinstance(value, datetime | date | time):
+        return f" (store value.isoformat(),{_CONVERTS})"
+    if isinstance(value, UUID | Decimal):
+        return f" (store str(value),{_CONVERTS})"
+    if isinstance(value, bytes | bytearray | memoryview):
+        return " (store base64 text, or better a reference to the data)"
+    if isinstance(value, Enum):
+        return f" (store value.value,{_CONVERTS})"
+    if dataclasses.is_dataclass(value) or hasattr(value, "model_dump"):
+        return f" (store a dict of its fields,{_CONVERTS})"
+    return " (convert it to JSON types, or pass Outbox(json_default=...))"
 
 
 def _find_unencodable(value: Any, parts: list[str]) -> str | None:
@@ -210,6 +234,63 @@ def _find_unwritable_int(value: Any, parts: list[str], digits: int) -> str | Non
     return None
 
 
+def _name(default: JsonDefault) -> str:
+    """``json_default=<its name>``, as the Outbox was given it."""
+    return f"json_default={getattr(default, '__qualname__', None) or repr(default)}"
+
+
+def convert(value: Any, default: JsonDefault, levels: int, parts: list[str]) -> Any:
+    """``value`` with what JSON has no type for replaced by ``default``'s stand-in, as json.dumps would.
+
+    Containers are copied only where something in them changed. Whatever
+    ``default`` cannot convert (it raised TypeError) is left in place for the
+    checks to name, and so is anything deeper than ``levels``: the depth check
+    says how deep, a cycle included. Any other exception from ``default`` is a
+    PayloadError naming where it happened.
+    """
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, dict):
+        if levels <= 0:
+            return value
+        changed: dict[Any, Any] | None = None
+        for key, item in value.items():
+            parts.append(f"[{key!r}]")
+            new = convert(item, default, levels - 1, parts)
+            parts.pop()
+            if new is not item:
+                if changed is None:
+                    changed = dict(value)
+                changed[key] = new
+        return value if changed is None else changed
+    if isinstance(value, list | tuple):
+        if levels <= 0:
+            return value
+        items = []
+        differs = False
+        for index, item in enumerate(value):
+            parts.append(f"[{index}]")
+            new = convert(item, default, levels - 1, parts)
+            parts.pop()
+            differs = differs or new is not item
+            items.append(new)
+        return items if differs else value
+    original = value
+    for _ in range(_CONVERSIONS):
+        try:
+            value = default(value)
+        except TypeError:
+            return original
+        except Exception as exc:
+            raise PayloadError(
+                f"{_path(parts)}: {_name(default)} raised {type(exc).__name__} for a "
+                f"{type(value).__name__}: {exc}"
+            ) from exc
+        if value is None or isinstance(value, str | bool | int | float | dict | list | tuple):
+            return convert(value, default, levels, parts)
+    return original
+
+
 def text_problem(value: str) -> str | None:
     """Why a string cannot be stored in a text column (NUL, lone surrogate), or None."""
     if "\x00" in value:
@@ -221,19 +302,31 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-def serialise_payload(payload: Any, limit: int, depth_limit: int) -> str:
+def serialise_payload(payload: Any, limit: int, depth_limit: int, default: JsonDefault | None = None) -> str:
     """Return the payload as compact JSON, or raise PayloadError saying what to fix.
 
     ``limit`` is in bytes of JSON, ``depth_limit`` in levels of nesting (see
     ``DEFAULT_DEPTH_LIMIT``). The returned document is what gets stored: a
     caller who changes the dict after emit() cannot slip an unchecked,
     oversized or deeper value past the checks.
+
+    ``default`` (``Outbox(json_default=...)``) converts what JSON has no type
+    for; it is consulted only for a payload the plain check refuses, so a
+    payload of JSON types costs nothing more, and what it makes passes every
+    check (size and depth included) as if the caller had written it.
     """
+    if default is not None and not isinstance(payload, dict):
+        payload = convert(payload, default, depth_limit, [])
     if not isinstance(payload, dict):
         hint = "pass dict(payload)" if isinstance(payload, Mapping) else "wrap it, e.g. {'value': ...}"
         raise PayloadError(f"payload must be a JSON object (a dict), got {type(payload).__name__}; {hint}")
     try:
         problem = _find_unstorable(payload, [], depth_limit)
+        if problem and default is not None:
+            payload = convert(payload, default, depth_limit, [])
+            problem = _find_unstorable(payload, [], depth_limit)
+            if problem and NOT_SERIALISABLE in problem:
+                problem = f"{problem}; {_name(default)} did not convert it (it raised TypeError)"
     except _TooDeep as exc:
         raise PayloadError(_depth_problem(payload, depth_limit, exc.where)) from None
     except RecursionError:  # only if the caller's own stack is already close to the limit
@@ -272,6 +365,7 @@ def route_document(
     document: str,
     limit: int,
     depth_limit: int,
+    default: JsonDefault | None = None,
 ) -> str:
     """The JSON text ``route`` stores for one event, or PayloadError naming the route.
 
@@ -299,13 +393,15 @@ def route_document(
                 "a transform runs inside emit() and must be a plain function"
             )
         try:
-            document = serialise_payload(shaped, limit, depth_limit)
+            document = serialise_payload(shaped, limit, depth_limit, default)
         except PayloadError as exc:
             raise PayloadError(
                 f"route {route.name!r}: transform of the {event_type!r} payload returned one that "
                 f"cannot be stored: {exc}"
             ) from exc
     if route.validator is not None:
+        if default is not None:  # what json_default made of it, as the handler will get it
+            shaped = json.loads(document)
         try:
             route.validator(shaped)
         except Exception as exc:

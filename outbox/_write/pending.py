@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .settings import EmitSettings
@@ -38,6 +39,10 @@ class PendingEvent:
     aggregate: Any = None
     tag: SessionTransaction | None = None
     written_in: SessionTransaction | None = None
+    #: A key or group key holds {aggregate_id} for an id assigned at the flush (``keys.KeyTemplate``).
+    waits_for_id: bool = False
+    #: Rows the last write of this event dropped as duplicates of a stored key (``dedupe``).
+    dropped: list[dict[str, Any]] | None = None
 
 
 def _within(transaction: SessionTransaction | None, scope: SessionTransaction) -> bool:
@@ -83,6 +88,8 @@ class SessionEvents:
     #: A ``before_commit`` (of the transaction or a savepoint) has written; until that
     #: transaction or savepoint ends, later emits must write at once.
     commit_written: bool = False
+    #: The connection this transaction's events were written on (``dedupe`` reads there after the commit).
+    connection: Connection | None = None
 
     def add(self, event: PendingEvent) -> None:
         self.events.append(event)

@@ -32,6 +32,12 @@ every way SQLAlchemy can still touch the connection is hooked
   failure is raised through SQLAlchemy's error handling (``handle_error``
   listeners, disconnect detection), naming the statement that failed, and an
   aborted transaction is rolled back first so the connection stays usable;
+- once the server has answered the COMMIT with COMMIT, the transaction is
+  committed whatever happens next: a connection lost before the rest of the
+  replies (PostgreSQL sends the COMMIT's answer, then exits when its backend is
+  terminated) is a closed connection, not a failed commit, so ``commit()``
+  returns and the connection is discarded (``_retire``). Only a COMMIT whose
+  answer never arrives is reported as a failure whose outcome is unknown;
 - an interruption while waiting (a timeout, KeyboardInterrupt) cancels the
   server's work and invalidates the connection: whether it committed is then
   unknown, as with any COMMIT cut short;
@@ -43,16 +49,22 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from functools import partial
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import psycopg
 from psycopg import pq
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, StatementError
 
+from .._first_line import first_line
 from . import pipeline_hooks as _hooks
 from .direct_pipeline import DirectBatch, prepared_statement
+
+if TYPE_CHECKING:
+    from .dedupe import Settle
 
 __all__ = [
     "before_commit",
@@ -69,15 +81,46 @@ _SUPPORTED = psycopg.Pipeline.is_supported()
 _SETTLED = (pq.TransactionStatus.IDLE, pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
 
 
+class _CommitReply:
+    """Where psycopg's pipeline hands the COMMIT's replies, in the place it keeps for a cursor.
+
+    psycopg checks a statement's replies and gives them to its cursor
+    (``_check_results``, ``_set_results``); these do the same for the one
+    thing wanted here: did the server say COMMIT?
+    """
+
+    __slots__ = ("_encoding", "committed")
+
+    def __init__(self, encoding: str) -> None:
+        self._encoding = encoding
+        self.committed = False
+
+    def _check_results(self, results: list[pq.abc.PGresult]) -> None:
+        # A COMMIT skipped because the INSERT failed ("pipeline aborted") raises
+        # nothing: psycopg raises the INSERT's own error, which this must not replace.
+        for result in results:
+            if result.status == pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(result, encoding=self._encoding)
+
+    def _set_results(self, results: list[pq.abc.PGresult]) -> None:
+        self.committed = any(
+            # (A COMMIT in a failed transaction answers ROLLBACK.)
+            result.status == pq.ExecStatus.COMMAND_OK and result.command_status == b"COMMIT"
+            for result in results
+        )
+
+
 class _PsycopgBatch:
     """The INSERT sent through psycopg's ``Pipeline``: until psycopg has prepared it on this connection."""
 
-    __slots__ = ("_raw", "_pipeline", "_cursor")
+    __slots__ = ("_raw", "_context", "_pipeline", "_cursor", "_commit", "_exited")
 
     def __init__(self, raw: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]) -> None:
         self._raw = raw
-        self._pipeline: Any = raw.pipeline()  # the context manager, entered by hand
-        self._pipeline.__enter__()
+        self._commit: _CommitReply | psycopg.Cursor[Any] | None = None
+        self._exited = False
+        self._context: Any = raw.pipeline()  # the context manager, entered by hand
+        self._pipeline: psycopg.Pipeline = self._context.__enter__()
         try:
             self._cursor = raw.cursor()
             # psycopg prepares it as it does any statement (after prepare_threshold
@@ -86,23 +129,60 @@ class _PsycopgBatch:
             self._cursor.execute(sql, params)
         except BaseException:
             # Nothing is pending that anyone could still want: leave pipeline mode now.
-            self._pipeline.__exit__(*sys.exc_info())
+            self._exited = True
+            self._context.__exit__(*sys.exc_info())
             raise
 
     @property
     def inserted(self) -> bool:
         return (self._cursor.statusmessage or "").startswith("INSERT")
 
+    def stored_count(self) -> int:
+        return max(self._cursor.rowcount, 0) if self._cursor.description is not None else 0
+
+    def stored_pairs(self) -> list[tuple[Any, Any]]:
+        return [tuple(row) for row in self._cursor.fetchall()] if self._cursor.description is not None else []
+
+    @property
+    def committed(self) -> bool:
+        """The server's reply to the COMMIT has been read and says it committed."""
+        commit = self._commit
+        if isinstance(commit, _CommitReply):
+            return commit.committed
+        # (A COMMIT in a failed transaction answers ROLLBACK.)
+        return commit is not None and commit.statusmessage == "COMMIT"
+
     def send_commit(self) -> None:
-        self._raw.cursor().execute("COMMIT")  # may already raise the INSERT's refusal
+        """Queue the COMMIT so that it goes out with the Sync ``finish`` sends, in one exchange.
+
+        ``cursor.execute`` would send it at once, and its reply could then be
+        read while psycopg sends the Sync: psycopg drops the replies it has
+        read in an exchange that fails later, so a connection lost at that
+        moment would also lose the news that the COMMIT succeeded. Queued
+        here, its reply is read only once nothing is left to send, and is
+        handed over before anything else can fail. It is queued as psycopg
+        queues a cursor's statement; a psycopg without these queues gets
+        ``execute``, and that rare loss back.
+        """
+        commands = getattr(self._pipeline, "command_queue", None)
+        replies = getattr(self._pipeline, "result_queue", None)
+        if isinstance(commands, deque) and isinstance(replies, deque):
+            self._commit = reply = _CommitReply(self._raw.info.encoding)
+            commands.append(partial(self._raw.pgconn.send_query_params, b"COMMIT", None))
+            replies.append((reply, None))
+        else:
+            self._commit = cursor = self._raw.cursor()
+            cursor.execute("COMMIT")  # may already raise the INSERT's refusal
 
     def finish(self) -> None:
-        self._pipeline.__exit__(None, None, None)
+        self._exited = True
+        self._context.__exit__(None, None, None)
 
     def leave(self, exc_info: Any) -> None:
-        if self._raw.closed or self._raw.pgconn.pipeline_status == pq.PipelineStatus.OFF:
+        if self._exited or self._raw.closed or self._raw.pgconn.pipeline_status == pq.PipelineStatus.OFF:
             return
-        self._pipeline.__exit__(*exc_info)
+        self._exited = True
+        self._context.__exit__(*exc_info)
 
 
 @dataclass(slots=True)
@@ -110,6 +190,8 @@ class _Pending:
     raw: psycopg.Connection[Any]
     batch: _PsycopgBatch | DirectBatch
     statement: str
+    #: Takes the rows a keyed INSERT stored once its reply is read (``rows.write_events``).
+    on_reply: Settle | None = None
     #: Set when a statement read the reply early and it was an error: the COMMIT must fail too.
     failure: psycopg.Error | None = None
 
@@ -136,15 +218,39 @@ def pipeline_connection(connection: Connection) -> psycopg.Connection[Any] | Non
 
 
 def send_in_pipeline(
-    connection: Connection, raw: psycopg.Connection[Any], sql: str, params: tuple[Any, ...]
+    connection: Connection,
+    raw: psycopg.Connection[Any],
+    sql: str,
+    params: tuple[Any, ...],
+    *,
+    on_reply: Settle | None = None,
 ) -> None:
-    """Send the INSERT without waiting; its reply is read by the hooks below."""
+    """Send the INSERT without waiting; its reply is read by the hooks below.
+
+    ``on_reply`` is handed the rows a keyed INSERT stored once its reply has
+    been read without error (not when a rollback discards it).
+    """
     try:
         prepared = prepared_statement(raw, sql, params)
         batch = DirectBatch(raw, prepared) if prepared else _PsycopgBatch(raw, sql, params)
     except psycopg.Error as exc:
         _raise(connection, exc, sql, params)
-    _pending[id(raw)] = _Pending(raw, batch, sql)
+    _pending[id(raw)] = _Pending(raw, batch, sql, on_reply)
+
+
+def _settle(pending: _Pending) -> None:
+    """Hand the stored rows over; it only remembers what was dropped, and must never fail a commit."""
+    if pending.on_reply is None:
+        return
+    batch = pending.batch
+    try:
+        pending.on_reply(batch.stored_count(), batch.stored_pairs)
+    except Exception:
+        log.warning(
+            "could not tell which outbox rows were dropped as duplicates",
+            exc_info=True,
+            extra={"action": "deduplicated"},
+        )
 
 
 def _raw_of(connection: Connection) -> Any:
@@ -209,6 +315,7 @@ def before_statement(connection: Connection) -> None:
         raise _wrapped(connection, pending.failure, pending.statement)
     try:
         _read(pending)
+        _settle(pending)
     except psycopg.Error as exc:
         _give_up_if_interrupted(connection, pending, exc)
         pending.failure = exc
@@ -245,11 +352,18 @@ def _give_up_if_interrupted(connection: Connection, pending: _Pending, exc: psyc
 
     psycopg leaving pipeline mode mid-wait raises "cannot exit pipeline mode
     while busy", hiding the caller's exception in ``__context__``; the
-    connection is then still busy and must be given up, not reused.
+    connection is then still busy and must be given up, not reused. So must
+    one that could not leave pipeline mode for any other reason (a reply
+    still unread, as when the server's FATAL came before the end of the
+    connection).
     """
     cause = exc.__context__
     interrupted = cause is not None and not isinstance(cause, psycopg.Error)
-    if interrupted or (not pending.raw.closed and pending.raw.info.transaction_status not in _SETTLED):
+    raw = pending.raw
+    stuck = not raw.closed and (
+        raw.info.transaction_status not in _SETTLED or raw.pgconn.pipeline_status != pq.PipelineStatus.OFF
+    )
+    if interrupted or stuck:
         _abandon(connection, pending.raw)
         _leave(pending, (type(exc), exc, exc.__traceback__))
         if interrupted:
@@ -272,7 +386,14 @@ def before_commit(connection: Connection) -> None:
         if ride:
             pending.batch.send_commit()
         _read(pending)
+        _settle(pending)
     except psycopg.Error as exc:
+        if ride and pending.batch.committed:
+            # The server said COMMIT: the commit succeeded, only the connection is lost.
+            _retire(connection, raw, exc)
+            if exc.__context__ is not None and not isinstance(exc.__context__, psycopg.Error):
+                raise exc.__context__ from None  # an interruption (see _give_up_if_interrupted)
+            return
         _give_up_if_interrupted(connection, pending, exc)
         _leave(pending, sys.exc_info())
         _rollback_quietly(raw)
@@ -282,6 +403,39 @@ def before_commit(connection: Connection) -> None:
         _abandon(connection, raw)
         _leave(pending, sys.exc_info())
         raise
+
+
+def _retire(connection: Connection, raw: psycopg.Connection[Any], exc: psycopg.Error) -> None:
+    """The COMMIT was confirmed, then the connection was lost: a closed connection, not a failed commit.
+
+    SQLAlchemy still calls the DBAPI connection's ``commit()`` after its commit
+    event (where this runs), and the pool calls ``rollback()`` when the
+    connection is returned; on a lost psycopg connection both raise, the first
+    failing a commit that succeeded, the second logging an error. Neither has
+    anything left to do, so this dead connection object is given ones that do
+    nothing, and its pool entry is invalidated (softly: SQLAlchemy is still
+    using it): the pool opens a new connection at its next checkout instead of
+    handing this one out.
+    """
+    reason: BaseException = exc
+    while isinstance(reason.__context__, psycopg.Error):  # psycopg's "cannot exit pipeline mode" hides it
+        reason = reason.__context__
+    log.warning(
+        "the connection was lost after PostgreSQL confirmed the COMMIT: the transaction is "
+        "committed; the connection is discarded (%s)",
+        first_line(reason),
+        extra={"action": "commit_connection_lost"},
+    )
+    try:
+        raw.close()
+    except Exception as close_exc:
+        log.debug("closing the lost connection failed: %s", type(close_exc).__name__)
+    raw.commit = raw.rollback = _nothing_to_do  # type: ignore[method-assign]
+    connection.connection.invalidate(exc, soft=True)
+
+
+def _nothing_to_do() -> None:
+    """commit() and rollback() of a connection lost after its COMMIT was confirmed."""
 
 
 def _leave(pending: _Pending, exc_info: Any) -> None:

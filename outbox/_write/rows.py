@@ -7,7 +7,9 @@ concurrent emitters, without raising in the emitter's transaction.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,12 +20,15 @@ from sqlalchemy.sql.dml import Insert
 
 from .._exceptions import ConfigurationError, EmitError, OutboxError
 from .._tables import outbox_message
+from .dedupe import Settle, dropped_indexes, keyed
+from .keys import KeyTemplate
 from .payload import text_problem
 from .pending import PendingEvent
 
 __all__ = ["aggregate_identity", "write_events"]
 
 _CONFLICT = ["handler", "idempotency_key"]
+m = outbox_message
 #: Width of the aggregate_type and aggregate_id columns.
 AGGREGATE_LIMIT = 255
 
@@ -101,9 +106,23 @@ def _rows(events: list[PendingEvent]) -> list[dict[str, Any]]:
                     f"event {event.event_id} was emitted by a {type(event.aggregate).__name__} "
                     "that was never flushed (was it expunged from the session?); its id is unknown"
                 )
+            if event.waits_for_id:
+                rows.extend(_filled(row, aggregate_id) for row in event.rows)
+                continue
         for row in event.rows:
             rows.append({**row, "aggregate_id": aggregate_id} if event.aggregate is not None else row)
     return rows
+
+
+def _filled(row: dict[str, Any], aggregate_id: str) -> dict[str, Any]:
+    """A row whose key or group key waited for the aggregate's id, with the id filled in."""
+    key, group = row["idempotency_key"], row["group_key"]
+    return {
+        **row,
+        "aggregate_id": aggregate_id,
+        "idempotency_key": key.render(aggregate_id) if isinstance(key, KeyTemplate) else key,
+        "group_key": group.render(aggregate_id) if isinstance(group, KeyTemplate) else group,
+    }
 
 
 _PSYCOPG_COLUMNS = (
@@ -120,6 +139,9 @@ _PSYCOPG_EXPIRING_COLUMNS = f"{_PSYCOPG_COLUMNS}, expires_at"
 _PSYCOPG_EXPIRY = ", least(%s::timestamptz, now() + %s::float8 * interval '1 second')"
 
 
+_CONFLICT_SQL = " ON CONFLICT (handler, idempotency_key) DO NOTHING"
+_CONFLICT_RETURNING = f"{_CONFLICT_SQL} RETURNING handler, idempotency_key"
+
 #: Rows per INSERT: PostgreSQL binds at most 65,535 parameters per statement (15 a row here).
 _ROWS_PER_INSERT = 1000
 
@@ -128,20 +150,21 @@ def _expiring(rows: list[dict[str, Any]]) -> bool:
     return any(row["expires_given"] is not None or row["expires_after"] is not None for row in rows)
 
 
-def _psycopg_statements(rows: list[dict[str, Any]]) -> list[tuple[str, tuple[Any, ...]]]:
+def _psycopg_statements(rows: list[dict[str, Any]], *, returning: bool) -> list[tuple[str, tuple[Any, ...]]]:
     """The emitter's hot path: hand-written multi-row INSERTs, no statement compilation.
 
     This runs inside every emitting request's transaction, so the Python around
     the round trip is kept to string joins and tuples. A commit with thousands
     of events is split, or PostgreSQL's parameter limit would fail it whole.
+    ``returning``: a batch with keys asks which rows were stored (``dedupe``).
     """
     return [
-        _psycopg_statement(rows[start : start + _ROWS_PER_INSERT])
+        _psycopg_statement(rows[start : start + _ROWS_PER_INSERT], returning=returning)
         for start in range(0, len(rows), _ROWS_PER_INSERT)
     ]
 
 
-def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]]:
+def _psycopg_statement(rows: list[dict[str, Any]], *, returning: bool) -> tuple[str, tuple[Any, ...]]:
     expiring = _expiring(rows)
     columns, row_sql = (
         (_PSYCOPG_EXPIRING_COLUMNS, f"{_PSYCOPG_ROW}{_PSYCOPG_EXPIRY})")
@@ -151,7 +174,7 @@ def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]
     sql = (
         f"INSERT INTO outbox_message ({columns}) VALUES "
         + ", ".join([row_sql] * len(rows))
-        + " ON CONFLICT (handler, idempotency_key) DO NOTHING"
+        + (_CONFLICT_RETURNING if returning else _CONFLICT_SQL)
     )
     params: list[Any] = []
     for row in rows:
@@ -177,19 +200,26 @@ def _psycopg_statement(rows: list[dict[str, Any]]) -> tuple[str, tuple[Any, ...]
     return sql, tuple(params)
 
 
-def _psycopg_insert(connection: Connection, rows: list[dict[str, Any]], *, pipelined: bool) -> None:
+def _psycopg_insert(
+    connection: Connection, rows: list[dict[str, Any]], *, pipelined: bool, settle: Settle | None
+) -> None:
     # Imported here: applications on SQLite never load psycopg.
     from .pipeline import pipeline_connection, send_in_pipeline
 
-    statements = _psycopg_statements(rows)
+    statements = _psycopg_statements(rows, returning=settle is not None)
     # One statement only: a refusal of the first of several would reach the
     # caller as "pipeline aborted" from the second, hiding its reason.
     raw = pipeline_connection(connection) if pipelined and len(statements) == 1 else None
     if raw is not None:
-        send_in_pipeline(connection, raw, *statements[0])
+        send_in_pipeline(connection, raw, *statements[0], on_reply=settle)
         return
+    stored: list[Any] = []
     for sql, params in statements:
-        connection.exec_driver_sql(sql, params)
+        result = connection.exec_driver_sql(sql, params)
+        if settle is not None:
+            stored += result.fetchall()
+    if settle is not None:
+        settle(len(stored), lambda: stored)
 
 
 #: What emit() puts in a row that is not a column: SQLite works them out in Python.
@@ -211,29 +241,75 @@ def _sqlite_expiry(row: dict[str, Any], now: datetime) -> datetime | None:
     return min(candidates, default=None)
 
 
+def _settler(events: list[PendingEvent], rows: list[dict[str, Any]]) -> Settle:
+    """What takes the INSERT's answer: the rows it dropped, each remembered on its event."""
+
+    def settle(count: int, stored: Callable[[], Iterable[tuple[Any, Any]]]) -> None:
+        if count == len(rows):  # every row stored: the usual answer, and nothing to look at
+            return
+        owners = [event for event in events for _ in event.rows]  # _rows keeps this order
+        for index in dropped_indexes(rows, stored()):
+            event = owners[index]
+            event.dropped = [*(event.dropped or ()), rows[index]]
+
+    return settle
+
+
+@functools.cache
+def _returning(statement: Insert) -> Insert:
+    """The statement asking which rows it stored: made once per statement, as the statements are."""
+    return statement.returning(m.c.handler, m.c.idempotency_key)
+
+
+def _core_insert(
+    connection: Connection, statement: Insert, params: list[dict[str, Any]], settle: Settle | None
+) -> None:
+    """SQLite and PostgreSQL drivers other than psycopg: one executemany, RETURNING when keyed."""
+    if settle is None:
+        connection.execute(statement, params)
+        return
+    stored: Sequence[tuple[Any, Any]]
+    if connection.dialect.insert_executemany_returning:
+        stored = [tuple(r) for r in connection.execute(_returning(statement), params)]
+    else:  # a SQLite before 3.35: one row at a time, each answering with its row count
+        stored = [
+            (p["handler"], p["idempotency_key"]) for p in params if connection.execute(statement, p).rowcount
+        ]
+    settle(len(stored), lambda: stored)
+
+
 def write_events(connection: Connection, events: list[PendingEvent], *, pipelined: bool = False) -> None:
-    """Store the events' rows in the connection's transaction.
+    """Store the events' rows in the connection's transaction; remember on each event what was dropped.
 
     ``pipelined``: this is the commit's own write, which on psycopg may ride
     with the COMMIT (see ``pipeline``); elsewhere it is an ordinary INSERT.
+    A row with a key may be dropped as a duplicate: the INSERT then says which
+    rows it stored, and ``event.dropped`` lists the others once that answer is
+    read (at once, or with the COMMIT's when pipelined).
     """
+    for event in events:
+        event.dropped = None  # a rewrite (after a savepoint's rollback) decides again
     rows = _rows(events)
     if not rows:
         return
+    settle = _settler(events, rows) if keyed(rows) else None
     dialect = connection.dialect.name
     if dialect == "postgresql":
         if connection.dialect.driver == "psycopg":
-            _psycopg_insert(connection, rows, pipelined=pipelined)
+            _psycopg_insert(connection, rows, pipelined=pipelined, settle=settle)
         else:
             expiring = _expiring(rows)
-            connection.execute(
+            _core_insert(
+                connection,
                 _POSTGRESQL_EXPIRING_INSERT if expiring else _POSTGRESQL_INSERT,
                 [_parsed(row, expiring=expiring) for row in rows],
+                settle,
             )
     elif dialect == "sqlite":
         now = datetime.now(UTC)
         expiring = _expiring(rows)
-        connection.execute(
+        _core_insert(
+            connection,
             _SQLITE_INSERT,
             [
                 {
@@ -246,6 +322,7 @@ def write_events(connection: Connection, events: list[PendingEvent], *, pipeline
                 }
                 for row in rows
             ],
+            settle,
         )
     else:
         raise ConfigurationError(f"the outbox supports PostgreSQL and SQLite, not {dialect!r}")

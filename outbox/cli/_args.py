@@ -117,6 +117,13 @@ def _batch_size(value: str) -> int:
     return number
 
 
+def _limit(value: str) -> int:
+    number = _count(value)
+    if number > ops.MAX_DEAD_LETTERS:
+        raise argparse.ArgumentTypeError(f"at most {ops.MAX_DEAD_LETTERS}, got {value!r}")
+    return number
+
+
 def _where(value: str) -> ops.PayloadEquals:
     try:
         return ops.parse_where(_text(value))
@@ -297,7 +304,23 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
     reset.add_argument("--json", action="store_true")
 
-    purge = commands.add_parser("purge", help="retention: delete old finished messages and old history")
+    inbox = commands.add_parser(
+        "inbox",
+        help="the inbox's dead letters: messages a consumer gave up on",
+        description="The inbox's dead letters (outbox_inbox_dead), newest first.",
+    )
+    inbox_verbs = inbox.add_subparsers(dest="inbox_command", required=True, metavar="VERB")
+    dead = inbox_verbs.add_parser("dead", help="dead letters, newest first")
+    _add_database(dead)
+    dead.add_argument("--consumer", type=_text, help="one inbox's name (default: every consumer)")
+    dead.add_argument(
+        "--limit", type=_limit, default=50, help="at most this many (default: 50, at most 1000)"
+    )
+    dead.add_argument("--json", action="store_true", help="with payload and headers")
+
+    purge = commands.add_parser(
+        "purge", help="retention: delete old finished messages, old history and expired inbox markers"
+    )
     _add_database(purge)
     purge.add_argument("--delivered-older-than", type=_age, required=True, metavar="AGE", help="e.g. 30d")
     purge.add_argument("--history-older-than", type=_history_age, metavar="AGE", help="e.g. 90d; at least 1d")

@@ -140,7 +140,7 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     for h in found.attempts:
         while events and events[0][0] < h["started_at"]:
             rows.append(events.pop(0)[1])
-        reported, login = _login_apart(h["detail"])
+        reported, login = ops.login_apart(h["detail"])
         detail = json.dumps(reported, default=str, ensure_ascii=False) if reported else ""
         if len(detail) > _DETAIL_WIDTH:  # never cut: the whole document goes below the table
             details.append((f"attempt {h['attempt']} ({h['outcome']})", json.dumps(reported, indent=2)))
@@ -176,18 +176,6 @@ def _outcome_label(outcome: str, uncounted: bool) -> str:
 
 #: The widest detail the history table shows inline (the table's cell width).
 _DETAIL_WIDTH = 60
-
-
-def _login_apart(detail: Any) -> tuple[Any, str | None]:
-    """A history row's detail without ``db_user``, and that login: the table shows it beside the label.
-
-    PostgreSQL stamps every row with the login that wrote it (``db_user``); it
-    belongs with the relay id or actor it vouches for, not among the handler's facts.
-    """
-    if not isinstance(detail, dict) or not isinstance(detail.get("db_user"), str):
-        return detail, None
-    rest = {k: v for k, v in detail.items() if k != "db_user"}
-    return rest, detail["db_user"]
 
 
 def _pause_events(spans: Sequence[ops.PauseSpan]) -> list[tuple[datetime, list[Any]]]:
@@ -405,9 +393,47 @@ def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
         history_of_unresolved=args.include_unresolved_history,
     )
     if args.json:
-        _print_json({"messages": result.messages, "attempts": result.attempts, "batches": result.batches})
+        _print_json(
+            {
+                "messages": result.messages,
+                "attempts": result.attempts,
+                "markers": result.markers,
+                "batches": result.batches,
+            }
+        )
+    elif result.markers:
+        print(
+            f"purged {result.messages} message(s), {result.attempts} history row(s)"
+            f" and {result.markers} inbox marker(s)"
+        )
     else:
         print(f"purged {result.messages} message(s) and {result.attempts} history row(s)")
+    return 0
+
+
+def _cmd_inbox(engine: Engine, args: argparse.Namespace) -> int:
+    found = ops.inbox_dead_letters(engine, consumer=args.consumer, limit=args.limit)
+    if args.json:
+        _print_json([letter.as_dict() for letter in found])
+    elif not found:
+        print("no dead letter" + (f" for consumer {args.consumer}" if args.consumer else ""))
+    else:
+        rows = [
+            [
+                x.id,
+                x.consumer,
+                x.message_id,
+                x.event_type,
+                x.attempts,
+                _when(x.dead_at),
+                x.error_type,
+                x.error,
+            ]
+            for x in found
+        ]
+        _table(
+            rows, ["id", "consumer", "message id", "event type", "attempts", "dead at", "error type", "error"]
+        )
     return 0
 
 
@@ -423,6 +449,7 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "pause": _cmd_pause,
     "resume": _cmd_pause,
     "purge": _cmd_purge,
+    "inbox": _cmd_inbox,
     "breaker": _cmd_breaker,
     "dashboard": run_dashboard,
 }

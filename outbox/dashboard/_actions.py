@@ -51,6 +51,8 @@ def action(name: Action) -> Callable[[Handler], Callable[[Request], Awaitable[Re
                 return await handler(request, form)
             except BadInput as exc:
                 return render(request, "error.html", 400, title="Bad request", problem=str(exc))
+            except ops.InvalidRequest as exc:
+                return render(request, "error.html", 400, title="Bad request", problem=str(exc))
             except ops.NotFound as exc:
                 return render(request, "error.html", 404, title="Not found", problem=str(exc))
             except ops.OpsError as exc:

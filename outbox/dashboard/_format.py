@@ -6,6 +6,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+from outbox.ops import login_apart
+
 __all__ = ["FILTERS"]
 
 
@@ -58,4 +60,5 @@ FILTERS: dict[str, Any] = {
     "number": _number,
     "pretty": _pretty,
     "short": _short,
+    "login_apart": login_apart,
 }

@@ -1,5 +1,5 @@
 """Operations: stats, list, show, requeue, resend, discard, retry-now, pause and resume, retention,
-relays, circuit breakers, dashboard reads.
+relays, circuit breakers, the inbox's dead letters, dashboard reads.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -10,7 +10,7 @@ new message that points back at it), so the audit trail stays complete.
 from __future__ import annotations
 
 from ._actions import discard, requeue, retry_now
-from ._base import NotFound, OpsError, parse_duration
+from ._base import InvalidRequest, NotFound, OpsError, parse_duration
 from ._breakers import Breaker, BreakerNotOpen, breakers, reset_breaker
 from ._dashboard import (
     ACTIVITY_RETRIED,
@@ -26,11 +26,12 @@ from ._dashboard import (
     lineage,
 )
 from ._filters import MessageFilter, candidate_ids, count_candidates, requeue_candidates
+from ._inbox import MAX_DEAD_LETTERS, InboxDeadLetter, inbox_dead_letters
 from ._keys import ROOT_KEY_LIMIT, requeued_key, resent_key, root_key
 from ._live import change_marker
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
 from ._purge import MAX_PURGE_BATCH, MIN_HISTORY_AGE, PurgeResult, purge
-from ._read import MessageHistory, Stats, list_messages, show, stats
+from ._read import MessageHistory, Stats, list_messages, login_apart, show, stats
 from ._relays import REGISTRY_PERIOD, HandlerSeen, RelaySeen, relays
 from ._reports import (
     MAX_REPORT_RUNS,
@@ -48,6 +49,7 @@ from ._where import PayloadEquals, WhereError, parse_where
 
 __all__ = [
     "ACTIVITY_RETRIED",
+    "MAX_DEAD_LETTERS",
     "MAX_ACTIVITY_MINUTES",
     "MAX_PURGE_BATCH",
     "MAX_REPORT_RUNS",
@@ -61,11 +63,13 @@ __all__ = [
     "DeadChunk",
     "HistoryEntry",
     "HistoryFilter",
+    "InboxDeadLetter",
     "Lineage",
     "LineageCopy",
     "MessageFilter",
     "MessageHistory",
     "MinuteActivity",
+    "InvalidRequest",
     "NotFound",
     "NotPaused",
     "OpsError",
@@ -90,8 +94,10 @@ __all__ = [
     "count_messages",
     "discard",
     "follow_history",
+    "inbox_dead_letters",
     "lineage",
     "list_messages",
+    "login_apart",
     "parse_duration",
     "parse_where",
     "pause",

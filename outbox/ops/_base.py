@@ -37,6 +37,15 @@ class NotFound(OpsError):
     """No message has the given id."""
 
 
+class InvalidRequest(OpsError, ValueError):
+    """The request itself is malformed (no reason, a bad duration or filter): unchanged, it can never work.
+
+    Apart from the other refusals (a message in the wrong status, a change that
+    raced another), which depend on the outbox's state at the moment, so that
+    the dashboard can answer 400 for these and 409 for those.
+    """
+
+
 #: The largest id an outbox table can hold (BIGINT); larger numbers are refused before any query.
 MAX_ID = 2**63 - 1
 
@@ -85,11 +94,11 @@ def parse_duration(text: str) -> timedelta:
     """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` → timedelta; anything else is refused."""
     match = _DURATION.match(text)
     if not match:
-        raise OpsError(f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)")
+        raise InvalidRequest(f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 30d)")
     try:
         return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
     except (OverflowError, ValueError):  # past timedelta's 999,999,999 days, or inf
-        raise OpsError(f"duration {text!r} is too long: at most 999999999d") from None
+        raise InvalidRequest(f"duration {text!r} is too long: at most 999999999d") from None
 
 
 def _before(now: datetime, age: timedelta, what: str) -> datetime:
@@ -97,7 +106,7 @@ def _before(now: datetime, age: timedelta, what: str) -> datetime:
     try:
         return now - age
     except OverflowError:
-        raise OpsError(f"{what} {age.days}d reaches back before year 1; give a shorter age") from None
+        raise InvalidRequest(f"{what} {age.days}d reaches back before year 1; give a shorter age") from None
 
 
 def _has_copy() -> ColumnElement[bool]:
@@ -154,13 +163,13 @@ def _record_action(
 
 def _check_reason(reason: str, actor: str) -> None:
     if not isinstance(reason, str) or not reason.strip():
-        raise OpsError("a reason is required: it is what the audit trail will say")
+        raise InvalidRequest("a reason is required: it is what the audit trail will say")
     if not isinstance(actor, str) or not actor.strip():
-        raise OpsError("an actor is required")
+        raise InvalidRequest("an actor is required")
     if len(actor) > ACTOR_LIMIT:  # PostgreSQL would refuse the history row mid-action; SQLite would keep it
-        raise OpsError(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
+        raise InvalidRequest(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
 
 
 def _check_batch_size(batch_size: int) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise OpsError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
+        raise InvalidRequest(f"batch_size must be a whole number of at least 1, got {batch_size!r}")

@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection, Engine, Row
 
 from .._parking import unpark
 from .._tables import outbox_breaker, outbox_breaker_log
-from ._base import OpsError, _check_reason, _now, a, decoded
+from ._base import InvalidRequest, OpsError, _check_reason, _now, a, decoded
 from ._in_database import call
 
 __all__ = ["Breaker", "BreakerNotOpen", "breakers", "breakers_on", "clear_for_retry", "reset_breaker"]
@@ -105,9 +105,11 @@ def breakers(engine: Engine) -> list[Breaker]:
 
 def _check_destination(destination: str) -> str:
     if not isinstance(destination, str) or not destination.strip():
-        raise OpsError("name the destination to reset: host:port, as `outbox breaker list` shows it")
+        raise InvalidRequest("name the destination to reset: host:port, as `outbox breaker list` shows it")
     if len(destination) > DESTINATION_LIMIT:
-        raise OpsError(f"a destination is at most {DESTINATION_LIMIT} characters, not {len(destination)}")
+        raise InvalidRequest(
+            f"a destination is at most {DESTINATION_LIMIT} characters, not {len(destination)}"
+        )
     return destination
 
 

@@ -21,7 +21,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from .._tables import MESSAGE_STATUSES, status_is_one_of
-from ._base import NotFound, OpsError, _has_copy, _now, a, decoded, m
+from ._base import InvalidRequest, NotFound, _has_copy, _now, a, decoded, m
 from ._filters import MessageFilter
 
 __all__ = [
@@ -47,7 +47,7 @@ MAX_ACTIVITY_MINUTES: Final = 1440
 def _whole(value: Any, name: str, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
         bound = f"from {low} to {high}" if high else f"at least {low}"
-        raise OpsError(f"{name} must be a whole number {bound}, got {value!r}")
+        raise InvalidRequest(f"{name} must be a whole number {bound}, got {value!r}")
     return value
 
 
@@ -107,7 +107,7 @@ def breakdown(engine: Engine, *, statuses: Sequence[str] | None = None) -> list[
     if statuses is not None:
         unknown = sorted(set(statuses) - set(MESSAGE_STATUSES))
         if isinstance(statuses, str) or unknown:
-            raise OpsError(f"statuses must be some of {', '.join(MESSAGE_STATUSES)}, got {statuses!r}")
+            raise InvalidRequest(f"statuses must be some of {', '.join(MESSAGE_STATUSES)}, got {statuses!r}")
         if not statuses:
             return []
         stmt = stmt.where(status_is_one_of(*sorted(set(statuses))))

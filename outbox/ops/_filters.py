@@ -20,6 +20,7 @@ from ._base import (
     DISCARDABLE,
     REQUEUABLE,
     RESENDABLE,
+    InvalidRequest,
     NotFound,
     OpsError,
     _has_copy,
@@ -60,9 +61,9 @@ class MessageFilter:
         from .._tables import MESSAGE_STATUSES
 
         if self.status is not None and self.status not in MESSAGE_STATUSES:
-            raise OpsError(f"unknown status {self.status!r}; one of {', '.join(MESSAGE_STATUSES)}")
+            raise InvalidRequest(f"unknown status {self.status!r}; one of {', '.join(MESSAGE_STATUSES)}")
         if self.needs_decision and self.status not in (None, "dead"):
-            raise OpsError(
+            raise InvalidRequest(
                 f"only dead messages need a decision; needs_decision cannot match status {self.status!r}"
             )
         for column, value in (
@@ -172,7 +173,7 @@ def _filtered_batches(
     are held briefly and memory stays bounded however many rows match.
     """
     if where.empty:
-        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
+        raise InvalidRequest(f"refusing to {verb} every message: give ids or a filter")
     after = 0
     while True:
         with engine.begin() as conn:
@@ -202,7 +203,7 @@ def _waiting(now: datetime, include_delayed: bool) -> list[ColumnElement[bool]]:
 
 def _candidates(where: MessageFilter, verb: str, include_delayed: bool = False) -> Select[Any]:
     if where.empty:
-        raise OpsError(f"refusing to {verb} every message: give ids or a filter")
+        raise InvalidRequest(f"refusing to {verb} every message: give ids or a filter")
     if verb == "requeue":
         return where.apply(select(m.c.id)).where(m.c.status.in_(REQUEUABLE), ~_has_copy())
     if verb == "resend":
@@ -211,7 +212,7 @@ def _candidates(where: MessageFilter, verb: str, include_delayed: bool = False) 
         return where.apply(select(m.c.id)).where(m.c.status.in_(DISCARDABLE))
     if verb in ("retry-now", "retry_now"):
         return where.apply(select(m.c.id)).where(*_waiting(_now(), include_delayed))
-    raise OpsError(f"unknown action {verb!r}; one of requeue, resend, discard, retry-now")
+    raise InvalidRequest(f"unknown action {verb!r}; one of requeue, resend, discard, retry-now")
 
 
 def requeue_candidates(engine: Engine, where: MessageFilter) -> list[int]:

@@ -29,7 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from .._exceptions import ConfigurationError
 from .._routes import check_name
 from .._tables import outbox_pause, outbox_pause_log
-from ._base import OpsError, _check_reason, _now, m
+from ._base import InvalidRequest, OpsError, _check_reason, _now, m
 from ._in_database import call
 
 __all__ = ["NotPaused", "Pause", "PauseResult", "PauseSpan", "pause", "paused", "resume"]
@@ -107,12 +107,12 @@ class PauseSpan:
 
 def _target(queue: str | None, handler: str | None) -> tuple[str, str]:
     if (queue is None) == (handler is None):
-        raise OpsError("name exactly one queue or one handler")
+        raise InvalidRequest("name exactly one queue or one handler")
     kind, name = ("queue", queue) if queue is not None else ("handler", handler)
     try:
         return kind, check_name(kind, name)
     except ConfigurationError as error:
-        raise OpsError(str(error)) from None
+        raise InvalidRequest(str(error)) from None
 
 
 def _column(kind: str) -> Any:

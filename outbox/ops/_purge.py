@@ -1,4 +1,7 @@
-"""Retention: ``purge`` deletes finished messages and old history in short, recorded batches."""
+"""Retention: ``purge`` deletes finished messages, old history and expired inbox markers.
+
+In short batches, each its own transaction, all recorded in one ``outbox_retention_run`` row.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +10,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, and_, delete, insert, literal, or_, select, text, update
+from sqlalchemy import ColumnElement, and_, delete, insert, literal, or_, select, text, tuple_, update
 from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.exc import DBAPIError
 
-from .._tables import outbox_retention_run, status_is_one_of
+from .._tables import outbox_inbox, outbox_retention_run, status_is_one_of
 from ._base import (
     ACTOR_LIMIT,
+    InvalidRequest,
     OpsError,
     _before,
     _has_copy,
@@ -39,6 +43,7 @@ class PurgeResult:
     attempts: int
     batches: int
     run_id: int | None = None  # the purge's outbox_retention_run row
+    markers: int = 0  # inbox markers past their kept_until
 
 
 def purge(
@@ -80,13 +85,19 @@ def purge(
 
     Purging a delivered message also forgets its idempotency key: the same key
     emitted afterwards is stored (and delivered) again.
+
+    Every run also deletes the inbox markers (``outbox_inbox``) whose
+    ``kept_until`` had passed when it started: each inbox's own ``keep``
+    decides, no cutoff given here can reach a marker inside its window. They
+    are counted in the run's ``markers_deleted`` (``outbox_inbox_purge_step``
+    on PostgreSQL, migration ``outbox_0020``).
     """
     if not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_PURGE_BATCH:
-        raise OpsError(f"batch_size must be 1 to {MAX_PURGE_BATCH}, got {batch_size!r}")
+        raise InvalidRequest(f"batch_size must be 1 to {MAX_PURGE_BATCH}, got {batch_size!r}")
     if not isinstance(actor, str) or not actor.strip():
-        raise OpsError("an actor is required: it is what outbox_retention_run will say")
+        raise InvalidRequest("an actor is required: it is what outbox_retention_run will say")
     if len(actor) > ACTOR_LIMIT:
-        raise OpsError(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
+        raise InvalidRequest(f"the actor is longer than {ACTOR_LIMIT} characters; give a shorter name")
     if delivered_older_than < timedelta(0):
         raise OpsError("delivered_older_than cannot be negative")
     if history_older_than is not None and history_older_than < MIN_HISTORY_AGE:
@@ -104,18 +115,24 @@ def purge(
     else:
         store = _EmbeddedPurge(engine)
     run_id = store.start(actor, delivered_older_than, history_older_than, history_of_unresolved)
-    messages = attempts = batches = 0
-    while True:
-        deleted_messages, deleted_attempts = store.step(run_id, batch_size)
-        if not deleted_messages and not deleted_attempts:
-            break
-        messages += deleted_messages
-        attempts += deleted_attempts
-        batches += 1
-        if on_batch is not None:
-            on_batch(PurgeResult(messages=messages, attempts=attempts, batches=batches, run_id=run_id))
+    messages = attempts = markers = batches = 0
+    steps: list[Callable[[], tuple[int, int, int]]] = [
+        lambda: (*store.step(run_id, batch_size), 0),
+        lambda: (0, 0, store.markers_step(run_id, batch_size)),
+    ]
+    for step in steps:
+        while True:
+            deleted_messages, deleted_attempts, deleted_markers = step()
+            if not (deleted_messages or deleted_attempts or deleted_markers):
+                break
+            messages += deleted_messages
+            attempts += deleted_attempts
+            markers += deleted_markers
+            batches += 1
+            if on_batch is not None:
+                on_batch(PurgeResult(messages, attempts, batches, run_id, markers))
     store.finish(run_id)
-    return PurgeResult(messages=messages, attempts=attempts, batches=batches, run_id=run_id)
+    return PurgeResult(messages, attempts, batches, run_id, markers)
 
 
 class _PurgeStore:
@@ -131,6 +148,10 @@ class _PurgeStore:
 
     def step(self, run_id: int, batch_size: int) -> tuple[int, int]:
         """(messages, history rows) deleted by one batch; (0, 0) when nothing is left."""
+        raise NotImplementedError
+
+    def markers_step(self, run_id: int, batch_size: int) -> int:
+        """Expired inbox markers deleted by one batch; 0 when none is left."""
         raise NotImplementedError
 
     def finish(self, run_id: int) -> None:
@@ -170,6 +191,10 @@ class _PostgresPurge(_PurgeStore):
             batch=batch_size,
         )
         return int(row.messages_deleted), int(row.attempts_deleted)
+
+    def markers_step(self, run_id: int, batch_size: int) -> int:
+        row = self._call("SELECT outbox_inbox_purge_step(:run, :batch)", run=run_id, batch=batch_size)
+        return int(row[0])
 
     def finish(self, run_id: int) -> None:
         self._call("SELECT outbox_purge_finish(:run)", run=run_id)
@@ -251,6 +276,27 @@ class _EmbeddedPurge(_PurgeStore):
             deleted = conn.execute(delete(a).where(a.c.id.in_(ids))).rowcount
             self._add(conn, run_id, "attempts_deleted", deleted)
             return 0, deleted
+
+    def markers_step(self, run_id: int, batch_size: int) -> int:
+        i = outbox_inbox
+        with self.engine.begin() as conn, history_purge_allowed(conn, run_id):
+            record = self._open_run(conn, run_id)
+            cutoff = literal(record.started_at, i.c.kept_until.type)
+            expired = list(
+                conn.execute(
+                    select(i.c.consumer, i.c.message_id)
+                    .where(i.c.kept_until < cutoff)
+                    .order_by(i.c.kept_until)
+                    .limit(batch_size)
+                )
+            )
+            if not expired:
+                return 0
+            deleted = conn.execute(
+                delete(i).where(tuple_(i.c.consumer, i.c.message_id).in_([tuple(r) for r in expired]))
+            ).rowcount
+            self._add(conn, run_id, "markers_deleted", deleted)
+            return deleted
 
     def finish(self, run_id: int) -> None:
         with self.engine.begin() as conn:

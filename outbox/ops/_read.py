@@ -227,3 +227,15 @@ def show(engine: Engine, message_id: int, *, secrets: Iterable[str] = ()) -> Mes
     message["headers"] = redactor.value(decoded(message["headers"]))
     history = [{**r._mapping, "detail": redactor.value(decoded(r.detail))} for r in attempts]
     return MessageHistory(message=message, attempts=history, pauses=pauses)
+
+
+def login_apart(detail: Any) -> tuple[Any, str | None]:
+    """A history row's detail without ``db_user``, and that login: the table shows it beside the label.
+
+    PostgreSQL stamps every row with the login that wrote it (``db_user``); it
+    belongs with the relay id or actor it vouches for, not among the handler's facts.
+    """
+    if not isinstance(detail, dict) or not isinstance(detail.get("db_user"), str):
+        return detail, None
+    rest = {k: v for k, v in detail.items() if k != "db_user"}
+    return rest, detail["db_user"]

@@ -41,6 +41,9 @@ def history_purge_allowed(connection: Connection, run_id: int) -> Iterator[None]
         try:
             yield
         finally:
-            raw.create_function("outbox_purge_in_progress", 0, None)
+            # Answering 0, not unregistered: Python's sqlite3 does not remove a function given
+            # None, it registers one that raises, and the triggers' refusal would then read
+            # "user-defined function raised exception" instead of saying what it refuses.
+            raw.create_function("outbox_purge_in_progress", 0, lambda: 0)
     else:
         raise ConfigurationError(f"the outbox supports PostgreSQL and SQLite, not {dialect!r}")

@@ -2,9 +2,10 @@
 
 Configured from the environment of the relay process: ``NATS_APP_SERVERS``,
 ``NATS_APP_SUBJECT`` and ``NATS_APP_STREAM``. With ``NATS_APP_HANG_DIR`` set,
-each delivery, once JetStream has acked it, touches a file named after the
-message id there and then waits (at most a minute), so the test can SIGKILL the
-relay between the publish and the recording of its outcome.
+each batch (``outbox_deliver_batch``), once JetStream has acked its messages,
+touches a file named after each acked message's id there and then waits (at
+most a minute), so the test can SIGKILL the relay between the publishes and
+the recording of their outcomes.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ ob = Outbox(default_backoff=Backoff(base=0.001, cap=0.002))
 
 
 class HangingPublisher(NatsPublisher):
-    async def __call__(self, message: Message) -> dict[str, Any]:
-        detail = await super().__call__(message)
+    async def outbox_deliver_batch(self, messages: list[Message]) -> list[Any]:
+        outcomes = await super().outbox_deliver_batch(messages)
         hang = os.environ.get("NATS_APP_HANG_DIR")
-        if hang:
-            (Path(hang) / str(message.id)).touch()
+        acked = [m for m, got in zip(messages, outcomes, strict=True) if not isinstance(got, Exception)]
+        if hang and acked:
+            for message in acked:
+                (Path(hang) / str(message.id)).touch()
             await asyncio.sleep(60)
-        return detail
+        return outcomes
 
 
 ob.route(
