@@ -8,10 +8,18 @@ States per key::
 
 While open, :meth:`CircuitBreaker.acquire` raises :class:`CircuitOpen` with the
 seconds left. After the cooldown exactly one caller gets a trial permit; the
-others keep getting :class:`CircuitOpen` until the trial reports, told to ask
-again within ``TRIAL_WAIT`` (a second), so a successful trial lets them all
-through at once instead of a cool-down later. A trial that never reports (its
-caller was cancelled) stops blocking after another cooldown.
+others keep getting :class:`CircuitOpen` until the trial reports. A trial that
+never reports (its caller was cancelled) stops blocking after ``trial_timeout``.
+
+The cool-down is the pause between two trial requests, a second by default: a
+destination that is back is found within about a second, however long the
+outage lasted. What keeps that cheap is that only one caller per destination
+comes back for each trial: the first turned away asks to be that one
+(:meth:`CircuitBreaker.volunteer`); the others park their messages until the
+destination recovers (``RetryLater(until_recovered=...)``), and a successful
+trial releases them all at once, in every relay (the board's
+:meth:`~outbox._breaker_board.BreakerBoard.recovered`). A volunteer that never
+comes back is replaced ``VOLUNTEER_GRACE`` seconds after its trial was due.
 
 Thread-safe (one ``threading.Lock``), with no asyncio state: the same breaker
 serves async handlers on any event loop (``acquire_checked``) and plain
@@ -19,7 +27,7 @@ handlers on worker threads (``acquire``).
 
 ::
 
-    breaker = CircuitBreaker(threshold=5, cooldown=30.0)
+    breaker = CircuitBreaker(threshold=5, cooldown=1.0)
     permit = breaker.acquire("api.example.com")    # raises CircuitOpen while open
     try:
         ok = deliver()
@@ -58,6 +66,8 @@ __all__ = ["CircuitBreaker", "CircuitOpen", "Permit"]
 
 #: While a half-open trial is in flight, the others ask again after this many seconds (at most).
 TRIAL_WAIT = 1.0
+#: A volunteer that has not asked for its trial this long after it was due is replaced.
+VOLUNTEER_GRACE = 5.0
 #: The longest a delivery about to be turned away waits for a fresh read of the shared breakers.
 FRESH_WAIT = 1.0
 
@@ -82,12 +92,14 @@ class _State:
     trial_started: float | None = None  # a half-open trial is in flight
     #: the shared row this state last followed (its ``updated_at``); None: none seen since it opened
     version: datetime | None = None
+    #: clock() time by which the caller that volunteered for the next trial should have asked for it
+    volunteer_until: float | None = None
 
 
 class Permit:
     """Leave to make one call to a destination; report its verdict exactly once."""
 
-    __slots__ = ("_breaker", "_done", "key", "route", "trial")
+    __slots__ = ("_breaker", "_done", "key", "pause", "route", "trial")
 
     def __init__(self, breaker: CircuitBreaker, key: str, trial: bool, route: str = "") -> None:
         self._breaker = breaker
@@ -95,6 +107,7 @@ class Permit:
         self.key = key
         self.trial = trial
         self.route = route
+        self.pause: float | None = None  # how long a failure that (re)opens the breaker keeps it open
 
     def success(self) -> None:
         """The destination answered sanely: close the breaker and reset its count."""
@@ -102,11 +115,16 @@ class Permit:
             self._done = True
             self._breaker._report(self, ok=True)
 
-    def failure(self) -> None:
-        """The destination is unhealthy (unreachable, timing out, 5xx)."""
+    def failure(self, *, pause: float | None = None) -> bool:
+        """The destination is unhealthy (unreachable, timing out, 5xx); whether the breaker is open now.
+
+        ``pause`` replaces the cool-down before the next trial, should this failure (re)open the breaker.
+        """
         if not self._done:
             self._done = True
+            self.pause = pause
             self._breaker._report(self, ok=False)
+        return self._breaker.is_open(self.key)
 
     def release(self) -> None:
         """No verdict (refused before the call, or cancelled): a trial slot is freed."""
@@ -116,10 +134,19 @@ class Permit:
 
 
 class CircuitBreaker:
-    """Opens a key after ``threshold`` consecutive failures, for ``cooldown`` seconds."""
+    """Opens a key after ``threshold`` consecutive failures; one trial request every ``cooldown`` seconds.
+
+    ``trial_timeout`` is how long an unreported trial keeps the others away (at
+    least the cool-down): the request's own time limit.
+    """
 
     def __init__(
-        self, threshold: int = 5, cooldown: float = 30.0, *, clock: Callable[[], float] = time.monotonic
+        self,
+        threshold: int = 5,
+        cooldown: float = 1.0,
+        *,
+        trial_timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
             raise ConfigurationError(f"breaker_threshold must be an integer >= 1, got {threshold!r}")
@@ -134,6 +161,8 @@ class CircuitBreaker:
         self.cooldown = float(cooldown)
         #: how long a caller turned away during a half-open trial waits before asking again
         self.trial_wait = min(TRIAL_WAIT, self.cooldown)
+        #: how long a trial that never reports keeps the others away
+        self.trial_timeout = max(self.cooldown, float(trial_timeout or 0.0))
         self._clock = clock
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
@@ -156,6 +185,12 @@ class CircuitBreaker:
                 return board
         return None
 
+    @property
+    def shared(self) -> bool:
+        """Whether a board carries this breaker's news: only then can a recovery release parked messages."""
+        with self._lock:
+            return self._board() is not None
+
     def follow(self, board: BreakerBoard, shared: Mapping[str, SharedBreaker]) -> None:
         """A fresh copy of the shared table: open what another relay opened, close what is gone.
 
@@ -176,6 +211,8 @@ class CircuitBreaker:
                         # It was in the table, and is not any more: closed by another relay's
                         # successful trial, an operator's reset, or a retry-now.
                         self._close(key, state, "closed elsewhere (a relay's trial, a reset or retry-now)")
+                        # What this relay parked since that closing was released is released now.
+                        board.unpark(key)
                     continue
                 if row.version == state.version:
                     if state.reopen_at is None:
@@ -205,6 +242,7 @@ class CircuitBreaker:
         )
         # The key stays, reported closed, so a metrics gauge that saw it open goes back to 0.
         state.failures, state.reopen_at, state.trial_started = 0, None, None
+        state.volunteer_until = None
 
     # -- deciding ---------------------------------------------------------------------------
 
@@ -229,14 +267,33 @@ class CircuitBreaker:
             remaining = state.reopen_at - now
             if remaining > 0:
                 raise CircuitOpen(key, remaining)
-            if state.trial_started is not None and now - state.trial_started < self.cooldown:
-                # Someone is already probing. Come back soon, not when the trial must have reported:
-                # a trial that succeeds closes the breaker at once, and the messages waiting behind it
-                # should follow within a moment, not a whole cool-down later.
-                left = state.trial_started + self.cooldown - now
+            if state.trial_started is not None and now - state.trial_started < self.trial_timeout:
+                # Someone is already probing: a caller that cannot park asks again soon, since a trial
+                # that succeeds closes the breaker at once.
+                left = state.trial_started + self.trial_timeout - now
                 raise CircuitOpen(key, min(left, self.trial_wait), half_open=True)
             state.trial_started = now
+            state.volunteer_until = None  # the trial is here; whoever fails it next volunteers anew
             return Permit(self, key, trial=True, route=route)
+
+    def volunteer(self, key: str) -> bool:
+        """Whether a caller just turned away should come back for the next trial (True) or park.
+
+        One caller per destination at a time: the first to ask since the last
+        trial began, or since the volunteer before it failed to show up
+        ``VOLUNTEER_GRACE`` seconds after its trial was due.
+        """
+        with self._lock:
+            state = self._states.get(key)
+            if state is None or state.reopen_at is None:
+                return False  # closed meanwhile: nothing to wait for
+            now = self._clock()
+            if state.trial_started is not None and now - state.trial_started < self.trial_timeout:
+                return False  # a trial is in flight; if it fails, its caller volunteers first
+            if state.volunteer_until is not None and now <= state.volunteer_until:
+                return False
+            state.volunteer_until = max(now, state.reopen_at) + VOLUNTEER_GRACE
+            return True
 
     async def acquire_checked(self, key: str, *, route: str = "") -> Permit:
         """:meth:`acquire`, but a refusal is first checked against a fresh read of the shared breakers.
@@ -286,16 +343,21 @@ class CircuitBreaker:
                 return
             state.failures += 1
             if permit.trial or (state.reopen_at is None and state.failures >= self.threshold):
-                state.reopen_at = self._clock() + self.cooldown
-                log.warning(
-                    "circuit breaker for %s opened after %d consecutive failures; pausing %.0fs",
+                pause = self.cooldown if permit.pause is None else permit.pause
+                reopening = state.reopen_at is not None
+                state.reopen_at = self._clock() + pause
+                # A failed trial is the same outage: one line when it opens, not one per trial.
+                log.log(
+                    logging.DEBUG if reopening else logging.WARNING,
+                    "circuit breaker for %s %s after %d consecutive failures; next trial in %.0fs",
                     permit.key,
+                    "stays open" if reopening else "opened",
                     state.failures,
-                    self.cooldown,
+                    pause,
                     extra={"action": "breaker_open", "destination": permit.key},
                 )
                 if board is not None:
-                    board.opened(permit.key, permit.route or "?", state.failures, self.cooldown)
+                    board.opened(permit.key, permit.route or "?", state.failures, pause)
 
     def is_open(self, key: str) -> bool:
         with self._lock:

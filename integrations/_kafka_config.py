@@ -94,8 +94,13 @@ def producer_config(given: Mapping[str, Any], delivery_timeout: float) -> dict[s
                 )
             limit = int(text)
     config.pop("request.required.acks", None)
+    defaults: dict[str, Any] = {"partitioner": "murmur2_random"}  # Java's: a key lands where Java's do
+    if "reconnect.backoff.ms" not in config:
+        # librdkafka's default backs off to 10 s between reconnects: a cluster back after an outage
+        # would wait that long for messages that are already in the producer.
+        defaults["reconnect.backoff.max.ms"] = 1000
     return {
-        "partitioner": "murmur2_random",  # Java's: a key lands where Java producers put it
+        **defaults,
         **config,
         "enable.idempotence": True,
         "acks": "all",

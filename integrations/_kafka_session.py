@@ -4,6 +4,13 @@
 serves reach the relay's loop in one thread-safe call. librdkafka's logs and
 client errors are masked and rate-limited here; a fatal error marks the
 session, and the publisher replaces it at its next message.
+
+The session also keeps track of whether every broker is down: librdkafka
+reports ``_ALL_BROKERS_DOWN`` through the error callback, but nothing when a
+broker is back, so while they are down a probe thread asks for the cluster's
+metadata every ``PROBE_INTERVAL`` seconds, and its first answer ends the
+outage (:class:`~outbox.integrations._broker_recovery.Recovery`: the messages
+parked on the cluster are released, in every relay).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from outbox._redact import Redactor
+
+from ._broker_recovery import PROBE_INTERVAL, Recovery
 
 __all__ = ["ERROR_LOG_INTERVAL", "Report", "Session"]
 
@@ -54,8 +63,14 @@ class Session:
     one thread-safe call, not one wake-up of the loop per message.
     """
 
-    def __init__(self, config: dict[str, Any], redactor: Redactor, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, config: dict[str, Any], redactor: Redactor, loop: asyncio.AbstractEventLoop, recovery: Recovery
+    ) -> None:
         self.fatal: KafkaError | None = None
+        self._recovery = recovery
+        #: every broker is down: set by librdkafka's report, cleared by the probe's first answer
+        self.away = False
+        self._probe: threading.Thread | None = None
         self._loop = loop
         self._reports: list[tuple[asyncio.Future[Report], Report]] = []  # served, not yet handed over
         self._redactor = redactor
@@ -94,6 +109,8 @@ class Session:
     def _on_error(self, err: KafkaError) -> None:
         """Client-level errors (brokers down, authentication); each message's fate is in its own report."""
         text = self._redactor.text(err.str())
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self._all_down(text)
         if err.fatal():
             self.fatal = err  # the idempotent producer cannot go on: the next message gets a new one
             log.error("Kafka producer failed fatally (%s): %s; it will be replaced", err.name(), text)
@@ -102,6 +119,26 @@ class Session:
         if now - self._logged.get(err.code(), -math.inf) >= ERROR_LOG_INTERVAL:
             self._logged[err.code()] = now
             log.warning("Kafka client error %s: %s", err.name(), text)
+
+    def _all_down(self, why: str) -> None:
+        """Every broker is down: park what comes, and probe until the cluster answers again."""
+        with self._refresh_lock:
+            if self.away or self._stop.is_set():
+                return
+            self.away = True
+            self._probe = threading.Thread(target=self._run_probe, name="outbox-kafka-probe", daemon=True)
+        self._recovery.away(why)
+        self._probe.start()
+
+    def _run_probe(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL):
+            try:
+                self.producer.list_topics(timeout=PROBE_INTERVAL)
+            except Exception:  # still down: librdkafka reconnects meanwhile
+                continue
+            self.away = False
+            self._recovery.back()
+            return
 
     def refresh(self, topic: str) -> None:
         """Fetch ``topic``'s metadata in the background, so the next attempt sees the cluster as it is now."""
@@ -128,6 +165,8 @@ class Session:
         self._thread.join()
         with self._refresh_lock:
             refreshing = list(self._refreshing.values())
+            if self._probe is not None:
+                refreshing.append(self._probe)
         for thread in refreshing:  # the producer must outlive their requests
             thread.join()
         left = self.producer.flush(timeout)

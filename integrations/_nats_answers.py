@@ -2,7 +2,9 @@
 
 Each message of a batch gets its own: the exception its publish or its ack
 wait raised is mapped here to the outcome the publisher's table promises
-(delivered, retried, retried uncounted, dead).
+(delivered, retried, retried uncounted, parked, dead). While the connection
+is down, a message is parked on the servers (``_broker_recovery``): nats-py's
+reconnect, or the publisher's probe, releases it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from outbox import PermanentError, RetryLater
+
+from ._broker_recovery import Recovery
 
 __all__ = ["CONNECTION_ERRORS", "RECONNECT_WAIT", "Answers", "with_base"]
 
@@ -37,22 +41,33 @@ class Answers:
     """The mapping for one publisher: its ack timeout, its stream, its way of masking secrets in text."""
 
     def __init__(
-        self, publish_timeout: float, stream: str | None, text: Callable[[BaseException], str]
+        self,
+        publish_timeout: float,
+        stream: str | None,
+        text: Callable[[BaseException], str],
+        recovery: Recovery,
     ) -> None:
         self.publish_timeout = publish_timeout
         self.stream = stream
         self._text = text
+        self._recovery = recovery
+
+    def down(self, why: str, detail: dict[str, Any]) -> RetryLater:
+        """The deferral while the connection is down: parked in a relay (the reconnect releases it)."""
+        if self._recovery.parks:
+            return self._recovery.parked(why, detail)
+        return RetryLater(
+            f"NATS {why}; not counted", delay=RECONNECT_WAIT, counts_as_attempt=False, detail=detail
+        )
 
     def refusal(self, exc: Exception, client: Client, subject: str, msg_id: str) -> Exception:
         """What one message's attempt ends with, given what its publish or its ack raised."""
         base = {"subject": subject, "msg_id": msg_id}
         if isinstance(exc, TimeoutError):
             if not client.is_connected:  # the connection went down meanwhile: nothing known of the message
-                return RetryLater(
-                    f"no JetStream ack for {subject!r}: the connection went down; not counted",
-                    delay=RECONNECT_WAIT,
-                    counts_as_attempt=False,
-                    detail={**base, "reason": "disconnected"},
+                return self.down(
+                    f"no JetStream ack for {subject!r}: the connection went down",
+                    {**base, "reason": "disconnected"},
                 )
             return RetryLater(
                 f"no JetStream ack for {subject!r} within {self.publish_timeout:g}s",
@@ -69,8 +84,11 @@ class Answers:
                 detail={**base, "reason": "too_large"},
             )
         if isinstance(exc, CONNECTION_ERRORS):
+            why = f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}"
+            if not client.is_connected:
+                return self.down(why, {**base, "reason": "connection"})
             return RetryLater(
-                f"publish to {subject!r} failed: {type(exc).__name__}: {self._text(exc)}; not counted",
+                f"{why}; not counted",
                 delay=RECONNECT_WAIT,
                 counts_as_attempt=False,
                 detail={**base, "reason": "connection"},

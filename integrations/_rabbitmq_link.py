@@ -2,20 +2,26 @@
 
 One connection and one confirm channel serve every concurrent delivery of a
 relay. The link also keeps what publishes share: when the current outage
-began, and which AMQP message ids are in flight (the client matches a
-``basic.return`` to its publish by message id, so two publishes with one id
-must never be in flight at once).
+began, the reconnect probe that runs while the broker is away, and which
+AMQP message ids are in flight (the client matches a ``basic.return`` to its
+publish by message id, so two publishes with one id must never be in flight
+at once).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
+from aiormq.exceptions import DeliveryError
 
-__all__ = ["Link", "close_quietly"]
+from ._broker_recovery import Probe
 
-#: Deferrals during an outage: the first after a second, later ones a quarter of its length so far.
+__all__ = ["OUTAGE_RETRY_CAP", "Away", "Link", "Unreachable", "close_quietly", "connection_lost"]
+
+#: Deferrals during an outage outside a relay: the first after a second, later ones a quarter of
+#: its length so far, at most this long.
 OUTAGE_RETRY_MIN = 1.0
 OUTAGE_RETRY_CAP = 30.0
 
@@ -33,6 +39,10 @@ class Link:
         self.down_since: float | None = None
         #: publishes in flight by AMQP message_id: the client matches a return to its publish by it
         self.publishing: dict[str, asyncio.Future[None]] = {}
+        #: the reconnect probe, running while the broker is away
+        self.probe = Probe()
+        #: connections made so far: a failure on an older one says nothing about the current one
+        self.generation = 0
 
     def outage_delay(self) -> float:
         """How long a message deferred by this outage waits: longer as the outage goes on."""
@@ -81,3 +91,23 @@ async def close_quietly(connection: AbstractConnection, timeout: float) -> None:
             await connection.close()
     except Exception:  # gone or blocked: nothing more to release
         pass
+
+
+class Away(Exception):
+    """The broker is known to be away: a delivery parks instead of trying to connect."""
+
+
+class Unreachable(Exception):
+    """No connection within the publish timeout: the broker is unreachable, not blocked."""
+
+
+def connection_lost(exc: BaseException | None) -> bool:
+    """The connection or channel is gone: nothing is known of the message, and the next call reconnects.
+
+    RuntimeError is aiormq's ChannelInvalidStateError when the channel closed
+    under a publish. The broker's own answers (a return, a nack) are AMQP
+    errors too, and a timeout is an OSError: those say something else.
+    """
+    return isinstance(
+        exc, aiormq.exceptions.AMQPError | ConnectionError | OSError | RuntimeError
+    ) and not isinstance(exc, DeliveryError | TimeoutError)

@@ -20,16 +20,27 @@ What the delivery report says decides the rest:
 acknowledged                               delivered; the detail records topic, partition, offset
 the message itself can never be written    dead at once, the broker's reason recorded
 (too large, invalid record, invalid topic)
-anything else: brokers away, not enough    retried with the route's backoff (librdkafka has
-in-sync replicas, unknown topic,           already retried inside ``delivery_timeout``); a
-authorization, a fatal producer error      fatal error also replaces the producer
-no report within ``delivery_timeout``      retried, never a hang
+brokers unreachable or not taking writes   deferred, not counted; while every broker is down,
+(``UNAVAILABLE``)                          parked until one is back
+anything else: unknown topic,              retried with the route's backoff (librdkafka has
+authorization, a fatal producer error      already retried inside ``delivery_timeout``); a
+                                           fatal error also replaces the producer
+no report within ``delivery_timeout``      retried, never a hang; not counted
 =========================================  =====================================================
+
+While librdkafka reports every broker down, messages are parked on the
+cluster (``_broker_recovery``, keyed ``kafka://`` and the bootstrap servers)
+without being produced, and a probe asks for the cluster's metadata once a
+second (``_kafka_session``); its first answer sends every parked message at
+once, in every relay. librdkafka reconnects meanwhile, at most a second apart
+(``reconnect.backoff.max.ms`` defaults to 1000 here), and a message it still
+holds from before the outage goes out as soon as it has.
 
 The relay hands the publisher a claim's messages at once
 (``outbox_deliver_batch``): all of them are produced first, so librdkafka
 batches them on the wire, and their delivery reports are awaited together,
-under one ``delivery_timeout``. Each report decides its own message's outcome.
+under one ``delivery_timeout``. Each report decides its own message's outcome;
+a batch claimed while every broker is down is parked whole, none of it produced.
 
 An unknown topic and a refused authorization are retried, not dead: both are
 fixed on the cluster (create the topic, grant the ACL), often by a deploy that
@@ -46,13 +57,14 @@ import math
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from outbox import ConfigurationError, Message, PermanentError, RetryLater
+from outbox import ConfigurationError, Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
+from ._broker_recovery import Recovery
 from ._envelope import envelope
 from ._kafka_config import (
     TOPIC_NAME,
@@ -62,6 +74,9 @@ from ._kafka_config import (
     validate_with_librdkafka,
 )
 from ._kafka_session import Report, Session
+
+if TYPE_CHECKING:
+    from outbox._breaker_board import BreakerBoard
 
 __all__ = ["KafkaPublisher"]
 
@@ -134,7 +149,11 @@ class KafkaPublisher:
     ``topic`` is a template over ``{event_type}``, ``{aggregate_type}``,
     ``{aggregate_id}`` and ``{handler}``; ``source`` is the ``ce-source``
     attribute. One producer is created per relay, at its first message, and
-    flushed and closed when the relay stops.
+    flushed and closed when the relay stops. ``delivery_timeout`` (25 s) stays
+    below the route's timeout (30 s by default) with its grace, so librdkafka's
+    verdict comes first: a route whose timeout is shorter is warned about at
+    start (``kafka_timeout_short``), since its cut-off counts an attempt where
+    the verdict would have said the brokers were away.
     """
 
     def __init__(
@@ -143,7 +162,7 @@ class KafkaPublisher:
         topic: str = "{event_type}",
         *,
         source: str = "urn:sqlalchemy-outbox:{handler}",
-        delivery_timeout: float = 30.0,
+        delivery_timeout: float = 25.0,
     ) -> None:
         if (
             isinstance(delivery_timeout, bool)
@@ -168,6 +187,13 @@ class KafkaPublisher:
         )
         self._lock = threading.Lock()
         self._closing: set[asyncio.Task[None]] = set()
+        servers = str(self._config.get("bootstrap.servers") or "mock")
+        self._recovery = Recovery(f"kafka://{servers}", f"Kafka at {servers}")
+
+    @property
+    def destination(self) -> str:
+        """What a message is parked on while every broker is down: ``kafka://`` and the bootstrap servers."""
+        return self._recovery.destination
 
     def __repr__(self) -> str:
         servers = self._config.get("bootstrap.servers", "mock")
@@ -178,6 +204,24 @@ class KafkaPublisher:
     def outbox_secrets(self) -> list[str]:
         """Config values the relay masks wherever they would be written (passwords, keys, OAuth config)."""
         return secret_values(self._config)
+
+    def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
+        """Warn when the route's timeout would cut a delivery report short (a counted attempt)."""
+        if route.timeout <= self.delivery_timeout + REPORT_GRACE:
+            log.warning(
+                "route %s: its timeout (%gs) ends an attempt before Kafka's delivery report can come "
+                "(delivery_timeout %gs plus %gs): an outage then counts attempts; raise the route's "
+                "timeout or lower delivery_timeout",
+                route.name,
+                route.timeout,
+                self.delivery_timeout,
+                REPORT_GRACE,
+                extra={"action": "kafka_timeout_short", "handler": route.name},
+            )
+
+    def outbox_share_breakers(self, board: BreakerBoard) -> None:
+        """The relay's board: how the brokers' return releases the messages parked on them, in every relay."""
+        self._recovery.share(board)
 
     async def outbox_shutdown(self) -> None:
         """Flush and close this relay's producer (the relay calls this when it stops)."""
@@ -208,7 +252,7 @@ class KafkaPublisher:
                 task = loop.create_task(self._close(session))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            session = self._sessions[loop] = Session(self._config, self._redactor, loop)
+            session = self._sessions[loop] = Session(self._config, self._redactor, loop, self._recovery)
             return session
 
     def _topic_of(self, message: Message) -> str:
@@ -247,6 +291,11 @@ class KafkaPublisher:
             except PermanentError as exc:
                 outcomes.append(exc)
                 continue
+            if session.away and self._recovery.parks:  # nothing is produced while every broker is down
+                outcomes.append(
+                    self._recovery.parked("every broker is down", {"reason": "unavailable", "topic": topic})
+                )
+                continue
             env = envelope(message, source=self.source)
             future: asyncio.Future[Report] = loop.create_future()
             try:
@@ -282,6 +331,12 @@ class KafkaPublisher:
             for *_, future in waiting:
                 future.cancel()
         for index, topic, future in waiting:
+            if future.cancelled() and session.away and self._recovery.parks:
+                outcomes[index] = self._recovery.parked(
+                    f"no delivery report within {self.delivery_timeout:g}s, every broker is down",
+                    {"reason": "timeout", "topic": topic},
+                )
+                continue
             if future.cancelled():
                 outcomes[index] = RetryLater(
                     f"no delivery report from Kafka within {self.delivery_timeout:g}s "
@@ -312,6 +367,10 @@ class KafkaPublisher:
         if err.code() in _TOPIC_STATE:
             session.refresh(topic)
         if err.code() in UNAVAILABLE:
+            if session.away and self._recovery.parks:
+                return self._recovery.parked(
+                    f"{text}; every broker is down", {**detail, "reason": "unavailable"}
+                )
             return RetryLater(
                 f"{text}; not counted",
                 delay=UNAVAILABLE_RETRY,

@@ -21,8 +21,8 @@ counts as delivered too (the first copy is stored), recorded as
 acked (stored, or a duplicate)         delivered; detail: subject, stream, seq, duplicate, msg_id
 no ack within ``publish_timeout``      retried (the server may have stored it: the retry is deduped);
                                        not counted when the connection went down meanwhile
-connection down, reconnecting, lost    retried after a second, without waiting for a timeout, and
-mid-publish                            not counted as an attempt (nothing is known of the message)
+connection down, reconnecting, lost    parked until the connection is back, without waiting for a
+mid-publish                            timeout, and not counted (nothing is known of the message)
 no stream captures the subject         dead with the reason (a stream is configuration: create it,
                                        then requeue); a JetStream that does not answer yet (a
                                        restarting server) is retried, not counted
@@ -30,6 +30,12 @@ JetStream refuses it (400: expected    dead with the server's description
 stream mismatch, message too large)
 other JetStream errors (503, limits)   retried
 =====================================  ==============================================================
+
+While the connection is down (nats-py reconnects on its own, once a second) or
+was never made, a message is parked on the servers
+(``_broker_recovery``, keyed ``nats://host:port,...``): the reconnect, or the
+first success of a probe when the relay started during the outage, sends
+every message parked on them at once, in every relay.
 
 The relay hands the publisher a claim's messages at once
 (``outbox_deliver_batch``): each is published with a reply subject of its own
@@ -50,10 +56,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import nats
@@ -66,9 +71,14 @@ from nats.js import JetStreamContext
 from outbox import ConfigurationError, Message, PermanentError, RetryLater, Route
 from outbox._redact import Redactor
 
+if TYPE_CHECKING:
+    from outbox._breaker_board import BreakerBoard
+
+from ._broker_recovery import Probe, Recovery
 from ._envelope import Envelope, RoutingTemplate, envelope
 from ._nats_acks import AckInbox, read_ack
 from ._nats_answers import RECONNECT_WAIT, Answers, with_base
+from ._nats_config import BAD_STREAM, BAD_SUBJECT, RESERVED_OPTIONS, SECRET_OPTIONS, STATIC, check_servers
 from ._nats_window import WindowCheck, check_window
 from ._per_loop import PerLoop
 
@@ -78,28 +88,6 @@ log = logging.getLogger("outbox.integrations.nats")
 
 #: How long a route whose window check failed under ``on_short_window="refuse"`` waits between tries.
 BLOCKED_RETRY = 60.0
-_SCHEMES = ("nats", "tls", "ws", "wss")
-_RESERVED_OPTIONS = frozenset(
-    {"servers", "allow_reconnect", "max_reconnect_attempts", "error_cb", "disconnected_cb", "reconnected_cb"}
-)
-_SECRET_OPTIONS = ("password", "token", "nkeys_seed_str")
-_BAD_SUBJECT = re.compile(r"[\s*>]|^\.|\.\.|\.$")
-_BAD_STREAM = re.compile(r"[\s.*>/\\]")
-_STATIC = {"event_type", "handler"}  # template fields a route fixes, so its subject is known at start
-
-
-def _servers(servers: object) -> list[str]:
-    listed = [servers] if isinstance(servers, str) else servers
-    if not isinstance(listed, list | tuple) or not listed:
-        raise ConfigurationError("servers must be a NATS URL or a non-empty list of them")
-    for url in listed:
-        parts = urlsplit(url) if isinstance(url, str) else None
-        if parts is None or parts.scheme not in _SCHEMES or not parts.hostname:
-            # Never the URL itself in the error: it may carry a password.
-            raise ConfigurationError(
-                "NATS servers must be URLs like nats://host:4222 (schemes: " + ", ".join(_SCHEMES) + ")"
-            )
-    return [str(url) for url in listed]
 
 
 @dataclass(slots=True)
@@ -111,6 +99,7 @@ class _Link:
     acks: AckInbox | None = None  # the client's reply subscription for acks
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one connect at a time
     check_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one deferred window check
+    probe: Probe = field(default_factory=Probe)  # the first connect, retried while the servers are away
 
 
 class NatsPublisher:
@@ -135,12 +124,12 @@ class NatsPublisher:
         on_short_window: Literal["warn", "refuse"] = "warn",
         connect_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.servers = _servers(servers)
+        self.servers = check_servers(servers)
         self._subject = RoutingTemplate(subject, "NATS subject")
         self.subject = subject
-        if _BAD_SUBJECT.search(subject.format(**dict.fromkeys(self._subject.fields, "x"))):
+        if BAD_SUBJECT.search(subject.format(**dict.fromkeys(self._subject.fields, "x"))):
             raise ConfigurationError(f"NATS subject {subject!r}: no spaces, wildcards or empty tokens")
-        if stream is not None and (not isinstance(stream, str) or not stream or _BAD_STREAM.search(stream)):
+        if stream is not None and (not isinstance(stream, str) or not stream or BAD_STREAM.search(stream)):
             raise ConfigurationError(f"stream must be a JetStream stream name, got {stream!r}")
         self.stream = stream
         if not isinstance(source, str) or not source:
@@ -156,22 +145,29 @@ class NatsPublisher:
         self.publish_timeout = float(publish_timeout)
         if on_short_window not in ("warn", "refuse"):
             raise ConfigurationError(f"on_short_window must be 'warn' or 'refuse', got {on_short_window!r}")
-        if on_short_window == "refuse" and stream is None and not set(self._subject.fields) <= _STATIC:
+        if on_short_window == "refuse" and stream is None and not set(self._subject.fields) <= STATIC:
             raise ConfigurationError(
                 f"on_short_window='refuse' needs stream=...: subject {subject!r} varies per message, "
                 "so the stream whose duplicate window matters is not known at start"
             )
         self.on_short_window = on_short_window
         options = dict(connect_options or {})
-        reserved = sorted(_RESERVED_OPTIONS & set(options))
+        reserved = sorted(RESERVED_OPTIONS & set(options))
         if reserved:
             raise ConfigurationError(f"connect_options may not set {', '.join(reserved)}: NatsPublisher does")
         self._options = options
         self._redactor = Redactor(self.outbox_secrets())
-        self._answers = Answers(self.publish_timeout, self.stream, self._text)
+        hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
+        self._recovery = Recovery(f"nats://{hosts}", f"NATS at {hosts}")
+        self._answers = Answers(self.publish_timeout, self.stream, self._text, self._recovery)
         self._links: PerLoop[_Link] = PerLoop(_Link)
         self._deferred: dict[str, WindowCheck] = {}  # window checks NATS was not reachable for at start
         self._blocked: dict[str, str] = {}  # route -> why it may not publish ("refuse", found late)
+
+    @property
+    def destination(self) -> str:
+        """What a message is parked on while the servers are away: their addresses, never a credential."""
+        return self._recovery.destination
 
     def __repr__(self) -> str:
         hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
@@ -187,7 +183,7 @@ class NatsPublisher:
             for value in (parts.password, parts.username if parts.password is None else None):
                 if value:  # a lone user part is a token (nats://token@host)
                     found += [value, unquote(value)]
-        found += [str(self._options[k]) for k in _SECRET_OPTIONS if isinstance(self._options.get(k), str)]
+        found += [str(self._options[k]) for k in SECRET_OPTIONS if isinstance(self._options.get(k), str)]
         return [s for s in found if s]
 
     async def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
@@ -210,11 +206,17 @@ class NatsPublisher:
                 extra={"action": "nats_window_deferred", "handler": route.name},
             )
 
+    def outbox_share_breakers(self, board: BreakerBoard) -> None:
+        """The relay's board: how a reconnect releases the messages parked on the servers, in every relay."""
+        self._recovery.share(board)
+
     async def outbox_shutdown(self) -> None:
         """Close the running loop's connection (every publish was awaited to its ack: nothing to drain)."""
         link = self._links.pop(asyncio.get_running_loop())
-        if link is not None and link.client is not None and not link.client.is_closed:
-            await link.client.close()
+        if link is not None:
+            await link.probe.stop()
+            if link.client is not None and not link.client.is_closed:
+                await link.client.close()
 
     # -- delivery -----------------------------------------------------------------------
 
@@ -254,21 +256,15 @@ class NatsPublisher:
         except RetryLater as exc:  # nothing sent to anyone
             return [exc if isinstance(o, dict) else o for o in outcomes]
         except (OSError, nats.errors.Error) as exc:  # the ack subscription could not be made
-            lost = RetryLater(
-                f"NATS connection lost before publishing: {type(exc).__name__}: {self._text(exc)}; "
-                "nothing sent, not counted",
-                delay=RECONNECT_WAIT,
-                counts_as_attempt=False,
-                detail={"reason": "connection"},
+            lost = self._answers.down(
+                f"connection lost before publishing: {type(exc).__name__}: {self._text(exc)}; nothing sent",
+                {"reason": "connection"},
             )
             return [lost if isinstance(o, dict) else o for o in outcomes]
         if not client.is_connected:
             # Nothing was sent, and the outage says nothing about the messages: not an attempt.
-            down = RetryLater(
-                "NATS connection is down (reconnecting); nothing sent",
-                delay=RECONNECT_WAIT,
-                counts_as_attempt=False,
-                detail={"reason": "disconnected"},
+            down = self._answers.down(
+                "connection is down (reconnecting); nothing sent", {"reason": "disconnected"}
             )
             return [down if isinstance(o, dict) else o for o in outcomes]
         waiting: list[tuple[int, str, str, str, asyncio.Future[Msg]]] = []
@@ -311,7 +307,7 @@ class NatsPublisher:
     def _prepare(self, message: Message) -> tuple[str, Envelope]:
         """The subject and envelope of a message this route may publish now; what refuses it, raised."""
         subject = self._subject.render(message)
-        if _BAD_SUBJECT.search(subject):
+        if BAD_SUBJECT.search(subject):
             raise PermanentError(f"NATS subject {subject!r} is not valid", detail={"reason": "bad_subject"})
         env = envelope(message, source=self.source)
         blocked = self._blocked.get(message.handler)
@@ -329,15 +325,34 @@ class NatsPublisher:
     async def _connection(self) -> tuple[Client, JetStreamContext, AckInbox]:
         """The loop's connection, opened on first use (and again if nats-py ever closed it)."""
         link = self._link()
-        if link.client is None or link.js is None or link.acks is None or link.client.is_closed:
+        if _unopened(link):
+            if link.probe.away and self._recovery.parks:
+                raise self._answers.down(
+                    "not reachable yet (a probe tries every second)", {"reason": "connect"}
+                )
             async with link.lock:
-                if link.client is None or link.js is None or link.acks is None or link.client.is_closed:
-                    client = await self._connect()
-                    link.client, link.acks = client, AckInbox(client)
-                    link.js = client.jetstream(timeout=self.publish_timeout)
+                if _unopened(link):
+                    try:
+                        await self._open(link)
+                    except RetryLater as exc:
+                        if not self._recovery.parks:
+                            raise
+                        link.probe.start(self._recovery, str(exc), lambda: self._reopen(link))
+                        raise self._answers.down(str(exc), {"reason": "connect"}) from None
         assert link.client is not None and link.js is not None and link.acks is not None
         await link.acks.ready()
         return link.client, link.js, link.acks
+
+    async def _open(self, link: _Link) -> None:
+        client = await self._connect()
+        link.client, link.acks = client, AckInbox(client)
+        link.js = client.jetstream(timeout=self.publish_timeout)
+
+    async def _reopen(self, link: _Link) -> None:
+        """The probe's one try, while no connection was ever made (nats-py reconnects an open one)."""
+        async with link.lock:
+            if _unopened(link):
+                await self._open(link)
 
     async def _connect(self) -> Client:
         client = Client()
@@ -383,13 +398,14 @@ class NatsPublisher:
 
     async def _on_reconnected(self) -> None:
         log.info("NATS connection re-established", extra={"action": "nats_reconnected"})
+        self._recovery.back()  # what waited for it goes now, in every relay
 
     # -- duplicate window -----------------------------------------------------------------
 
     def _route_subject(self, route: Route) -> str | None:
         fields = set(self._subject.fields)
         # A pattern route's event type is each message's own: its subject varies like aggregate fields do.
-        if not fields <= _STATIC or (route.pattern and "event_type" in fields):
+        if not fields <= STATIC or (route.pattern and "event_type" in fields):
             return None
         return self.subject.format(event_type=route.event_type, handler=route.name)
 
@@ -421,3 +437,8 @@ class NatsPublisher:
             short,
             extra={"action": "nats_window_short", "handler": check.route, "longest_retry_gap": check.gap},
         )
+
+
+def _unopened(link: _Link) -> bool:
+    """No connection yet on this loop (or nats-py closed it for good): the next delivery opens one."""
+    return link.client is None or link.js is None or link.acks is None or link.client.is_closed

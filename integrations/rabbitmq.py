@@ -22,22 +22,27 @@ refused (``basic.nack``)                retried (a full queue with ``x-overflow:
 no confirm within ``publish_timeout``   deferred, not counted (the broker is blocked by an
                                         alarm or unreachable; it may still accept it later:
                                         a duplicate)
-cannot connect; connection or channel   deferred, not counted; the next publish reconnects
+cannot connect; connection or channel   parked until the broker is back, not counted
 lost
 exchange missing (not declared)         retried, the reason recorded
 ======================================  ===================================================
 
 A deferral that is not counted says nothing about the message: a broker
-outage of any length uses up no attempts. Such deferrals wait longer as the
-outage goes on (a second at first, then a quarter of the time the broker has
-been away, at most ``OUTAGE_RETRY_CAP`` seconds, ``_rabbitmq_link.py``), so
-a long outage does not turn into a storm of claims and history rows.
+outage of any length uses up no attempts. A parked message
+(``_broker_recovery``, keyed ``amqp://host:port/vhost``) waits for one
+reconnect probe per relay, once a second, whose success sends every message
+parked on the broker at once; messages claimed meanwhile park without a
+connection attempt each. Outside a relay nothing parks: such deferrals wait a
+second, then a quarter of the outage so far, at most ``OUTAGE_RETRY_CAP``
+seconds (``_rabbitmq_link.py``). A broker that takes the connection but
+withholds confirms (a memory or disk alarm) is not parked: nothing would tell
+its end.
 
 The relay hands the publisher a claim's messages at once
 (``outbox_deliver_batch``): all of them go out on the channel together and
 their confirms are awaited together, under one ``publish_timeout``. Each
 message's confirm, return or nack decides its own outcome alone, as in the
-table; a lost connection defers the messages it left unconfirmed.
+table; a lost connection parks the messages it left unconfirmed.
 
 Returns are matched to publishes by AMQP ``message_id`` (the client's rule), and
 one event published by several routes shares its ``message_id`` (the
@@ -50,7 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import aio_pika
 import aiormq
@@ -60,9 +65,13 @@ from yarl import URL
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater
 
+from ._broker_recovery import Recovery
 from ._envelope import RoutingTemplate, envelope
 from ._per_loop import PerLoop
-from ._rabbitmq_link import Link, close_quietly
+from ._rabbitmq_link import Away, Link, Unreachable, close_quietly, connection_lost
+
+if TYPE_CHECKING:
+    from outbox._breaker_board import BreakerBoard
 
 __all__ = ["RabbitMQPublisher"]
 
@@ -160,6 +169,16 @@ class RabbitMQPublisher:
             raise ConfigurationError(f"on_unroutable must be 'dead' or 'retry', got {on_unroutable!r}")
         self.on_unroutable = on_unroutable
         self._links: PerLoop[Link] = PerLoop(lambda: Link(min(self.publish_timeout, _CLOSE_TIMEOUT)))
+        port = self._url.port or (5671 if self._url.scheme == "amqps" else 5672)
+        self._recovery = Recovery(
+            f"{self._url.scheme}://{self._url.host}:{port}{self._url.raw_path or '/'}",
+            f"RabbitMQ at {self.url}",
+        )
+
+    @property
+    def destination(self) -> str:
+        """What a message is parked on while the broker is away: the URL without credentials."""
+        return self._recovery.destination
 
     @property
     def url(self) -> str:
@@ -185,10 +204,15 @@ class RabbitMQPublisher:
             text = text.replace(secret, "***")
         return text
 
+    def outbox_share_breakers(self, board: BreakerBoard) -> None:
+        """The relay's board: how a reconnect releases the messages parked on the broker, in every relay."""
+        self._recovery.share(board)
+
     async def outbox_shutdown(self) -> None:
-        """Close the running loop's connection (the relay calls this when it stops)."""
+        """Stop the loop's reconnect probe and close its connection (the relay calls this when it stops)."""
         link = self._links.pop(asyncio.get_running_loop())
         if link is not None:
+            await link.probe.stop()
             await link.drop()
 
     # -- delivery -----------------------------------------------------------------------
@@ -223,18 +247,26 @@ class RabbitMQPublisher:
         if not ready:
             return outcomes
         link = self._link()
+        if link.probe.away and self._recovery.parks:  # the probe is on it: no connection attempt
+            for index, publish in ready:
+                outcomes[index] = self._refusal(Away(), link, publish, link.generation)
+            return outcomes
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.publish_timeout
         connection: AbstractConnection | None = None
+        generation = link.generation
         try:
             async with asyncio.timeout_at(deadline):
                 exchange, connection = await self._open(link)
         except Exception as exc:
-            if _connection_lost(exc):
+            if connection_lost(exc):
                 await link.drop(connection)
+            if isinstance(exc, TimeoutError):  # no connection within the time: unreachable, not blocked
+                exc = Unreachable(f"no connection within {self.publish_timeout:g}s")
             for index, publish in ready:
-                outcomes[index] = self._refusal(exc, link, publish)
+                outcomes[index] = self._refusal(exc, link, publish, generation)
             return outcomes
+        generation = link.generation
         tasks = [asyncio.ensure_future(self._confirmed(link, exchange, publish)) for _, publish in ready]
         try:
             _, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
@@ -243,13 +275,13 @@ class RabbitMQPublisher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         failures = [TimeoutError() if t in late or t.cancelled() else t.exception() for t in tasks]
-        if any(_connection_lost(failure) for failure in failures):
+        if any(connection_lost(failure) for failure in failures):
             await link.drop(connection)  # once: the next call reconnects
         elif None in failures:
             link.down_since = None
         for (index, publish), failure in zip(ready, failures, strict=True):
             if failure is not None:
-                outcomes[index] = self._refusal(failure, link, publish)
+                outcomes[index] = self._refusal(failure, link, publish, generation)
         return outcomes
 
     def _prepare(self, message: Message) -> _Publish:
@@ -277,8 +309,11 @@ class RabbitMQPublisher:
             if not turn.done():
                 turn.set_result(None)
 
-    def _refusal(self, exc: BaseException, link: Link, publish: _Publish) -> Exception:
-        """What one message's attempt ends with, given what its connect or publish raised."""
+    def _refusal(self, exc: BaseException, link: Link, publish: _Publish, generation: int) -> Exception:
+        """What one message's attempt ends with, given what its connect or publish raised.
+
+        ``generation``: the link's connection the attempt used (or tried to make).
+        """
         detail, routing_key = publish.detail, publish.routing_key
         if isinstance(exc, PublishError):
             reply = None if exc.message is None else exc.message.delivery
@@ -307,13 +342,13 @@ class RabbitMQPublisher:
             )
         if isinstance(exc, _ExchangeMissing):
             return RetryLater(str(exc), detail={**detail, "reason": "exchange_missing"})
-        if _connection_lost(exc):  # the caller dropped the connection
-            return RetryLater(
-                f"RabbitMQ at {self.url}: {type(exc).__name__}: {self._scrub(str(exc))}; not counted",
-                delay=link.outage_delay(),
-                counts_as_attempt=False,
-                detail={**detail, "reason": "connection"},
-            )
+        if isinstance(exc, Away):
+            return self._recovery.parked("away, reconnecting", {**detail, "reason": "connection"})
+        if isinstance(exc, Unreachable):
+            return self._unavailable(link, generation, detail, str(exc))
+        if connection_lost(exc):  # the caller dropped the connection
+            why = f"{type(exc).__name__}: {self._scrub(str(exc))}"
+            return self._unavailable(link, generation, detail, why)
         if isinstance(exc, Exception):
             return exc  # not the broker's answer: the relay records it as the handler's failure
         raise exc  # SystemExit and the like: what this call must not swallow
@@ -321,11 +356,48 @@ class RabbitMQPublisher:
     def _link(self) -> Link:
         return self._links.get()
 
+    # -- outages ------------------------------------------------------------------------
+
+    def _unavailable(self, link: Link, generation: int, detail: dict[str, Any], why: str) -> RetryLater:
+        """The deferral of a publish that found the broker unreachable or lost the connection."""
+        facts = {**detail, "reason": "connection"}
+        if not self._recovery.parks:
+            return RetryLater(
+                f"RabbitMQ at {self.url}: {why}; not counted",
+                delay=link.outage_delay(),
+                counts_as_attempt=False,
+                detail=facts,
+            )
+        if link.generation != generation and link.usable():
+            # The probe reconnected while this publish was failing: parked now, nothing would release it.
+            return RetryLater(
+                f"RabbitMQ at {self.url}: {why}; reconnected since, not counted",
+                delay=0.0,
+                counts_as_attempt=False,
+                detail=facts,
+            )
+        link.probe.start(self._recovery, why, lambda: self._reconnect(link))
+        return self._recovery.parked(why, facts)
+
+    async def _reconnect(self, link: Link) -> None:
+        """The probe's one try: connect (no exchange yet is still a broker that answers)."""
+        async with asyncio.timeout(min(self.publish_timeout, _CONNECT_TIMEOUT)):
+            async with link.lock:
+                if not link.usable():
+                    await link.drop()
+                    try:
+                        await self._connect(link)
+                    except _ExchangeMissing:
+                        pass  # the publishes that follow say what is missing
+        link.down_since = None
+
     async def _open(self, link: Link) -> tuple[AbstractExchange, AbstractConnection]:
         """The loop's exchange handle, connecting first if there is none or the old one is closed."""
         if not link.usable():
             async with link.lock:
                 if not link.usable():
+                    if link.probe.away and self._recovery.parks:
+                        raise Away  # the probe is on it: no connection attempt per message
                     await link.drop()
                     await self._connect(link)
         assert link.exchange is not None and link.connection is not None
@@ -359,22 +431,11 @@ class RabbitMQPublisher:
             await close_quietly(connection, link.close_timeout)
             raise
         link.connection, link.channel, link.exchange = connection, channel, exchange
+        link.generation += 1
 
 
 class _ExchangeMissing(Exception):
     pass
-
-
-def _connection_lost(exc: BaseException | None) -> bool:
-    """The connection or channel is gone: nothing is known of the message, and the next call reconnects.
-
-    RuntimeError is aiormq's ChannelInvalidStateError when the channel closed
-    under a publish. The broker's own answers (a return, a nack) are AMQP
-    errors too, and a timeout is an OSError: those say something else.
-    """
-    return isinstance(
-        exc, aiormq.exceptions.AMQPError | ConnectionError | OSError | RuntimeError
-    ) and not isinstance(exc, DeliveryError | TimeoutError)
 
 
 class _Publish(NamedTuple):

@@ -23,9 +23,16 @@ other 4xx                     dead
 cannot connect, DNS failure   rescheduled without using an attempt (the receiver is down)
 connection lost, timeout      retried
 refused by the SSRF guard     dead, the reason recorded
-breaker open, rate limited    rescheduled without using an attempt (``counts_as_attempt=False``)
+breaker open                  parked until a trial request succeeds, no attempt used; a 502,
+                              503, 504 or unreachable receiver with the breaker open neither
+rate limited                  rescheduled without using an attempt (``counts_as_attempt=False``)
 all connections busy          rescheduled without using an attempt, nothing sent
 ============================  ================================================================
+
+While a breaker is open, one delivery per relay tries the destination every
+``breaker_cooldown`` seconds (a second by default) and the others are parked
+on it (``_webhook_breaker``): a successful trial closes the breaker for every
+relay and sends everything parked at once.
 """
 
 from __future__ import annotations
@@ -47,12 +54,14 @@ from outbox import ConfigurationError, Message, PayloadError, PermanentError, Re
 from outbox._redact import _SECRET_KEY
 from outbox._tracing import TRACE_HEADERS, current_headers
 
-from ._breaker import CircuitBreaker, CircuitOpen
+from ._breaker import CircuitBreaker
 from ._ratelimit import RateLimited, RateLimiters
 from ._signing import SECRET_PREFIX, WebhookVerificationError, generate_secret, parse_secrets, sign, verify
 from ._ssrf import AddressPolicy, BlockedAddress, IPNetwork, ResolutionFailed, literal_address
 from ._webhook_answers import classify
 from ._webhook_answers import healthy as is_healthy
+from ._webhook_breaker import behind_breaker
+from ._webhook_breaker import permit as breaker_permit
 from ._webhook_http import (
     ConnectionsBusy,
     HostClients,
@@ -115,9 +124,10 @@ class WebhookHandler:
     in history like the secrets. With ``url=None`` the destination comes from
     each payload, so ``headers`` are refused unless
     ``headers_to_payload_urls=True`` says every such host may see them. After
-    ``breaker_threshold`` consecutive failures a destination is paused for
-    ``breaker_cooldown`` seconds, by every relay of the database
-    (``outbox_breaker``). ``rate_limit`` caps requests per second per
+    ``breaker_threshold`` consecutive failures a destination's breaker opens
+    for every relay of the database (``outbox_breaker``): one trial request
+    every ``breaker_cooldown`` seconds tests it, the other deliveries are
+    parked, and the first trial that succeeds releases them all. ``rate_limit`` caps requests per second per
     destination across every concurrent delivery of the relay, and
     ``max_connections`` caps the requests open to one destination at once
     (``None``: as many as the relay has deliveries in flight). A destination
@@ -140,7 +150,7 @@ class WebhookHandler:
         allowed_networks: Iterable[str | IPNetwork] = (),
         headers: Mapping[str, str] | None = None,
         breaker_threshold: int = 5,
-        breaker_cooldown: float = 30.0,
+        breaker_cooldown: float = 1.0,
         rate_limit: float | None = None,
         max_connections: int | None = None,
         ssl_context: ssl.SSLContext | None = None,
@@ -157,7 +167,7 @@ class WebhookHandler:
         self.timeout = _number("timeout", timeout)
         self.policy = AddressPolicy(allowed_networks)
         self.headers = check_headers(headers)
-        self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown)
+        self.breaker = CircuitBreaker(breaker_threshold, breaker_cooldown, trial_timeout=self.timeout)
         self._limiters = None if rate_limit is None else RateLimiters(_number("rate_limit", rate_limit))
         self.rate_limit = None if self._limiters is None else self._limiters.rate
         if max_connections is not None and (
@@ -265,21 +275,7 @@ class WebhookHandler:
         target = self._destination(message)
         body = self._body(message)
         msg_id = webhook_id(message)
-        try:
-            permit = await self.breaker.acquire_checked(target.destination, route=message.handler)
-        except CircuitOpen as exc:
-            state = "half-open, a trial request is in flight" if exc.half_open else "open"
-            raise RetryLater(
-                f"circuit breaker for {target.destination} is {state}; not sending",
-                delay=exc.remaining,
-                detail={
-                    "breaker": "half-open" if exc.half_open else "open",
-                    "host": target.authority,
-                    "destination": target.destination,
-                    "retry_in": round(exc.remaining, 3),
-                },
-                counts_as_attempt=False,
-            ) from None
+        permit = await breaker_permit(self.breaker, target, message.handler)
         # The breaker hears only about the destination's health: a refusal before any request
         # (SSRF guard, rate limit, connection cap, cancellation) is no verdict, a 4xx proves the
         # host is up.
@@ -309,13 +305,19 @@ class WebhookHandler:
                 ) from None
             healthy = is_healthy(status)
             return classify(message, target, msg_id, status, headers, excerpt)
+        except RetryLater as exc:
+            if healthy is False:
+                instead = behind_breaker(exc, permit, self.breaker, target)
+                if instead is not None:
+                    raise instead from None
+            raise
         finally:
             if healthy is None:
                 permit.release()
             elif healthy:
                 permit.success()
             else:
-                permit.failure()
+                permit.failure()  # a no-op when reported above: a permit takes one verdict
 
     def _destination(self, message: Message) -> Target:
         if self._target is not None:

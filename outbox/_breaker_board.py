@@ -9,9 +9,17 @@ half-open breakers have one) and hands the copy to the breakers listening
 theirs until the shared reopen time, a row gone (a trial succeeded elsewhere,
 an operator reset it, ``retry-now`` cleared it) closes theirs. The same thread
 writes what this relay decides, as soon as it decides it: an opening, a failed
-trial's reopening, a successful trial's closing. On PostgreSQL those writes go
-through ``outbox_breaker_open`` and ``outbox_breaker_close`` (migration
-``outbox_0019``), which write the log rows; on SQLite through plain SQL here.
+trial's reopening, a successful trial's closing (``_breaker_writes``).
+
+It is also how a handler reports that a destination is back, breaker or not
+(a broker publisher that reconnected): :meth:`BreakerBoard.recovered` closes
+the destination's breaker and releases the messages parked on it
+(``outbox_message.parked_on``, ``outbox._parking``) for every relay, and
+:meth:`BreakerBoard.unpark` releases them alone (a breaker that followed
+another relay's closing). Each release is made at once and once more
+``RELEASE_ECHO`` seconds later: a message this relay decided to park just
+before the news came may have its outcome written just after the first
+release, and must not then wait out its whole safety delay.
 
 Nothing here can stop a delivery: no statement runs on the event loop or in a
 handler's call, only this thread waits for the database. When it cannot read
@@ -35,14 +43,17 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from sqlalchemy import func, insert, select, text, update
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import ProgrammingError
 
+from ._breaker_writes import Decision, write_decision
 from ._first_line import first_line
-from ._tables import outbox_breaker, outbox_breaker_log
+from ._parking import unpark
+from ._tables import outbox_breaker
 
 __all__ = ["MAX_COOLDOWN", "READ_INTERVAL", "BreakerBoard", "BreakerListener", "SharedBreaker"]
 
@@ -52,10 +63,11 @@ READ_INTERVAL = 1.0
 MAX_COOLDOWN = 2_592_000.0
 #: How long a closing relay waits for the decisions it has not written yet.
 FLUSH_TIMEOUT = 2.0
+#: A release of parked messages is made again this many seconds later, for outcomes written late.
+RELEASE_ECHO = 1.0
 
 log = logging.getLogger("outbox.breakers")
 b = outbox_breaker
-blog = outbox_breaker_log
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +84,6 @@ class SharedBreaker:
 class BreakerListener(Protocol):
     def follow(self, board: BreakerBoard, shared: Mapping[str, SharedBreaker]) -> None:
         """A fresh copy of the table; called on the board's thread, never with the board's lock held."""
-
-
-@dataclass(slots=True)
-class _Write:
-    opened: bool  # True: an opening (or a failed trial's reopening); False: a closing
-    route: str = ""
-    failures: int = 0
-    cooldown: float = 0.0
 
 
 class BreakerBoard:
@@ -99,15 +103,20 @@ class BreakerBoard:
         self._clock = clock
         self._server_clock = engine.dialect.name == "postgresql"
         self._lock = threading.Condition()
-        self._queued: dict[str, _Write] = {}  # latest decision per destination, not written yet
+        self._queued: dict[str, Decision] = {}  # latest decision per destination, not written yet
         self._writing: set[str] = set()  # taken off the queue, being written now
-        self._retry: dict[str, _Write] = {}  # writes that failed: queued again after the next good read
+        self._retry: dict[str, Decision] = {}  # writes that failed: queued again after the next good read
         self._recorded: set[str] = set()  # openings written since the last read (see wrote_opening)
         self._waiters: list[Future[bool]] = []  # callers of read_after waiting for the next read
+        self._release_now: set[str] = set()  # destinations whose parked messages to release now
+        self._release_again: dict[str, float] = {}  # ... and when to release them once more
+        self._release_retry: set[str] = set()  # releases that failed: made after the next good read
+        #: called on the board's thread with (destination, count) after a release freed messages
+        self.on_release: Callable[[str, int], None] = lambda destination, count: None
         self._listeners: list[BreakerListener] = []
         self._shared: dict[str, SharedBreaker] | None = None  # None: the last read failed (or none yet)
         self._failing = False  # logged once per streak: until reads and writes both work again
-        self._last_ok: dict[str, bool | None] = {"read": None, "write": None}
+        self._last_ok: dict[str, bool | None] = {"read": None, "write": None, "release": None}
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -169,13 +178,23 @@ class BreakerBoard:
 
     def opened(self, destination: str, route: str, failures: int, cooldown: float) -> None:
         """This relay opened (or, after a failed trial, reopened) the destination's breaker."""
-        self._queue(destination, _Write(True, route, max(1, failures), min(cooldown, MAX_COOLDOWN)))
+        self._queue(destination, Decision(True, route, max(1, failures), min(cooldown, MAX_COOLDOWN)))
 
     def recovered(self, destination: str) -> None:
-        """A delivery to the destination succeeded: its breaker closes for every relay."""
-        self._queue(destination, _Write(False))
+        """The destination works again: its breaker closes and what is parked on it goes, for every relay."""
+        self._queue(destination, Decision(False))
+        self.unpark(destination)
 
-    def _queue(self, destination: str, write: _Write) -> None:
+    def unpark(self, destination: str) -> None:
+        """Release the messages parked on ``destination``: now, and again ``RELEASE_ECHO`` seconds later."""
+        with self._lock:
+            if self._closed:
+                return
+            self._release_now.add(destination)
+            self._release_again[destination] = self._clock() + RELEASE_ECHO
+            self._lock.notify()
+
+    def _queue(self, destination: str, write: Decision) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -207,10 +226,18 @@ class BreakerBoard:
         due = self._clock() + self.interval
         while True:
             with self._lock:
-                while not (self._queued or self._waiters or self._closed) and self._clock() < due:
-                    self._lock.wait(max(0.0, due - self._clock()))
+                while not (
+                    self._queued or self._waiters or self._closed or self._release_now
+                ) and self._clock() < self._wake_at(due):
+                    self._lock.wait(max(0.0, self._wake_at(due) - self._clock()))
                 writes, self._queued = self._queued, {}
                 self._writing = set(writes)
+                releases, self._release_now = self._release_now, set()
+                now = self._clock()
+                for destination, at in list(self._release_again.items()):
+                    if at <= now:
+                        releases.add(destination)
+                        del self._release_again[destination]
                 closing = self._closed
             for destination, write in writes.items():
                 self._write(destination, write)
@@ -218,6 +245,8 @@ class BreakerBoard:
                 self._writing = set()
                 # Those waiting now get a read that starts after they asked; later ones, the next.
                 waiters, self._waiters = self._waiters, []
+            for destination in sorted(releases):  # after the closings: a release follows its breaker
+                self._release(destination)
             if closing:
                 _answer(waiters, False)
                 return
@@ -228,12 +257,18 @@ class BreakerBoard:
                 if read:
                     self._requeue()
 
+    def _wake_at(self, due: float) -> float:
+        """The next read, or a release due to be made again before it (called with the lock held)."""
+        return min(due, *self._release_again.values()) if self._release_again else due
+
     def _requeue(self) -> None:
         """The table answers again: what could not be written is written now, unless overtaken."""
         with self._lock:
             for destination, write in self._retry.items():
                 self._queued.setdefault(destination, write)
             self._retry = {}
+            self._release_now |= self._release_retry
+            self._release_retry = set()
 
     # -- the statements ----------------------------------------------------------------------
 
@@ -286,13 +321,10 @@ class BreakerBoard:
         seconds = (value - now).total_seconds() if isinstance(value, datetime) else float(value)
         return seconds if math.isfinite(seconds) else 0.0
 
-    def _write(self, destination: str, write: _Write) -> None:
+    def _write(self, destination: str, write: Decision) -> None:
         try:
             with self.engine.begin() as conn:
-                if self._server_clock:
-                    self._write_postgresql(conn, destination, write)
-                else:
-                    self._write_sqlite(conn, destination, write)
+                write_decision(conn, self.relay_id, destination, write)
         except Exception as exc:
             self._failed("write", exc)
             with self._lock:
@@ -305,60 +337,35 @@ class BreakerBoard:
                     self._recorded.add(destination)
         self._ok("write")
 
-    def _write_postgresql(self, conn: Connection, destination: str, write: _Write) -> None:
-        if write.opened:
-            conn.execute(
-                text("SELECT outbox_breaker_open(:me, :dest, :route, :failures, :cooldown)"),
-                {
-                    "me": self.relay_id,
-                    "dest": destination,
-                    "route": write.route,
-                    "failures": write.failures,
-                    "cooldown": write.cooldown,
-                },
-            )
-        else:
-            closing = {"me": self.relay_id, "dest": destination}
-            conn.execute(text("SELECT outbox_breaker_close(:me, :dest)"), closing)
-
-    def _write_sqlite(self, conn: Connection, destination: str, write: _Write) -> None:
-        """What the PostgreSQL functions do, for the one relay a SQLite database has."""
-        now = datetime.now(UTC)
-        found = conn.execute(select(b.c.handler, b.c.reopen_at).where(b.c.destination == destination)).first()
-        if not write.opened:
-            if found is not None:
-                conn.execute(b.delete().where(b.c.destination == destination))
-                self._log_sqlite(conn, "closed", destination, found.handler, now)
+    def _release(self, destination: str) -> None:
+        """Make what is parked on ``destination`` due now (``outbox_unpark``), in a transaction of its own."""
+        try:
+            with self.engine.begin() as conn:
+                released = unpark(conn, destination)
+        except Exception as exc:
+            self._failed("release", exc)
+            if not isinstance(exc, ProgrammingError):  # not granted, not migrated: no use trying again
+                with self._lock:
+                    self._release_retry.add(destination)
             return
-        reopen_at = now + timedelta(seconds=write.cooldown)
-        if found is None:
-            conn.execute(
-                insert(b).values(
-                    destination=destination,
-                    handler=write.route,
-                    failures=write.failures,
-                    opened_at=now,
-                    reopen_at=reopen_at,
-                    opened_by=self.relay_id,
-                    updated_at=now,
-                )
-            )
-            self._log_sqlite(conn, "opened", destination, write.route, now, failures=write.failures)
-        elif found.reopen_at <= now:  # half-open: a failed trial reopens the same outage
-            conn.execute(
-                update(b)
-                .where(b.c.destination == destination)
-                .values(failures=b.c.failures + 1, reopen_at=reopen_at, updated_at=now)
-            )
-
-    def _log_sqlite(
-        self, conn: Connection, event: str, destination: str, route: str, now: datetime, **extra: Any
-    ) -> None:
-        conn.execute(
-            insert(blog).values(
-                event=event, destination=destination, handler=route, at=now, relay_id=self.relay_id, **extra
-            )
+        self._ok("release")
+        if not released:
+            return
+        log.info(
+            "%d message(s) parked on %s are due now: it is back",
+            released,
+            destination,
+            extra={
+                "action": "unparked",
+                "destination": destination,
+                "count": released,
+                "relay_id": self.relay_id,
+            },
         )
+        try:
+            self.on_release(destination, released)
+        except Exception:
+            log.exception("on_release failed", extra={"action": "breaker_error", "relay_id": self.relay_id})
 
     # -- one line per streak of failures -------------------------------------------------------
 
@@ -368,6 +375,14 @@ class BreakerBoard:
             if self._failing:
                 return
             self._failing = True
+        if what == "release":
+            log.warning(
+                "cannot release the messages parked on a destination that is back (outbox_unpark: %s);"
+                " they wait out their delay until it can",
+                first_line(exc),
+                extra={"action": "breaker_error", "relay_id": self.relay_id},
+            )
+            return
         log.warning(
             "cannot %s the shared circuit breakers in outbox_breaker (%s); this relay's breakers decide"
             " on their own until it can",

@@ -10,7 +10,8 @@ The tree, so ``except`` clauses can be as wide or as narrow as a caller needs::
     │   ├── PayloadError            payload not JSON-serialisable, not an object, too large, nested too
     │   │                           deeply, or a route's transform or handler refused it
     │   └── InvalidEmitOption       a bad option: negative delay, empty key, bad headers, ...
-    ├── RetryLater                  raised by a handler: transient, try again (optionally after `delay`)
+    ├── RetryLater                  raised by a handler: transient, try again (optionally after `delay`);
+    │                               with `until_recovered`, parked until its destination is back
     ├── PermanentError              raised by a handler: will never succeed, mark the message dead
     └── InboxError                  the inbox could not take one incoming message as it was given
         ├── InvalidInboxMessage     a message id, event type or time the inbox cannot store
@@ -36,6 +37,11 @@ if TYPE_CHECKING:  # a module of plain data that imports nothing from the packag
 
 from ._topic import is_topic_pattern
 
+#: How long a parked message waits at most when no recovery is reported (``RetryLater(until_recovered=)``).
+PARKED_DELAY = 60.0
+#: The longest destination a message can be parked on (``outbox_message.parked_on``'s limit).
+DESTINATION_LIMIT = 1000
+
 __all__ = [
     "AckFailed",
     "ConfigurationError",
@@ -47,6 +53,7 @@ __all__ = [
     "NoInboxHandler",
     "InvalidEmitOption",
     "NotInstalled",
+    "PARKED_DELAY",
     "OutboxError",
     "PayloadError",
     "PermanentError",
@@ -117,6 +124,18 @@ class RetryLater(OutboxError):
     ``max_attempts`` unless ``counts_as_attempt=False``: for deferrals that say
     nothing about the message itself, such as an open circuit breaker or a rate
     limit, which must not use up a message's attempts during a long outage.
+
+    ``until_recovered`` names the destination that is unavailable (a broker's
+    URL without credentials, a webhook's ``host:port``): the message is
+    *parked* on it (``outbox_message.parked_on``) and becomes due again the
+    moment the relay learns the destination is back (a reconnect, a successful
+    trial request, ``outbox breaker reset``), for every message parked on it
+    at once; ``delay`` (default :data:`PARKED_DELAY`, a minute) is then only
+    the longest wait should that news never come. A parked deferral never
+    counts as an attempt: an unavailable destination says nothing about the
+    message. Only a handler that can also report the recovery should park
+    (the broker publishers and the webhook handler do, through the relay's
+    ``outbox_share_breakers`` hook); any other waits its whole ``delay``.
     """
 
     def __init__(
@@ -125,16 +144,35 @@ class RetryLater(OutboxError):
         *,
         delay: float | timedelta | None = None,
         detail: Mapping[str, Any] | None = None,
-        counts_as_attempt: bool = True,
+        counts_as_attempt: bool | None = None,
+        until_recovered: str | None = None,
     ) -> None:
         super().__init__(message or "handler asked to retry later")
         if isinstance(delay, timedelta):
             delay = delay.total_seconds()
         if delay is not None and not delay >= 0:
             raise ValueError(f"RetryLater delay must be >= 0 seconds, got {delay!r}")
+        if until_recovered is not None:
+            if not isinstance(until_recovered, str) or not until_recovered.strip():
+                raise ValueError("RetryLater until_recovered must name a destination (a non-empty string)")
+            if len(until_recovered) > DESTINATION_LIMIT:
+                raise ValueError(
+                    f"RetryLater until_recovered is at most {DESTINATION_LIMIT} characters, "
+                    f"not {len(until_recovered)}"
+                )
+            if counts_as_attempt:
+                raise ValueError(
+                    "RetryLater(until_recovered=...) never counts as an attempt: the destination is "
+                    "unavailable, which says nothing about the message"
+                )
+            if delay is None:
+                delay = PARKED_DELAY
         self.delay: float | None = delay
         self.detail: dict[str, Any] | None = dict(detail) if detail is not None else None
-        self.counts_as_attempt = counts_as_attempt
+        if counts_as_attempt is None:
+            counts_as_attempt = until_recovered is None
+        self.counts_as_attempt: bool = counts_as_attempt
+        self.until_recovered: str | None = until_recovered
 
 
 class PermanentError(OutboxError):

@@ -107,6 +107,7 @@ _PENDING = text("status = 'pending'")
 # the implication either way, "status IN (...)" included).
 _NOT_DELIVERED = text(" OR ".join(f"status = '{s}'" for s in MESSAGE_STATUSES if s != "delivered"))
 _AGGREGATED = text("aggregate_type IS NOT NULL")
+_PARKED = text("parked_on IS NOT NULL")
 
 outbox_message = Table(
     "outbox_message",
@@ -136,6 +137,9 @@ outbox_message = Table(
     Column("requeued_from", RowId, ForeignKey("outbox_message.id")),
     #: Not to be handed to a handler from this moment on (outbox_0018); NULL: never expires.
     Column("expires_at", UTCDateTime),
+    #: The destination a pending message waits for (outbox_0021): set by a deferral that parked it
+    #: (``RetryLater(until_recovered=...)``), cleared when it recovers; NULL for every other message.
+    Column("parked_on", Text),
     UniqueConstraint("handler", "idempotency_key"),
     CheckConstraint(_one_of("status", MESSAGE_STATUSES), name="status"),
     CheckConstraint("attempts >= 0", name="attempts"),
@@ -184,6 +188,14 @@ outbox_message = Table(
         "aggregate_id",
         postgresql_where=_AGGREGATED,
         sqlite_where=_AGGREGATED,
+    ),
+    # What waits for a destination to recover: the release when it does. Partial: only parked
+    # messages have an entry, so every other write leaves this index alone.
+    Index(
+        "ix_outbox_message_parked_on",
+        "parked_on",
+        postgresql_where=_PARKED,
+        sqlite_where=_PARKED,
     ),
     sqlite_autoincrement=True,
 )

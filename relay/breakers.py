@@ -1,14 +1,17 @@
 """The circuit breakers this run shares with every other relay, through ``outbox_breaker``.
 
-A handler that keeps circuit breakers offers an ``outbox_share_breakers(board)``
-hook (the webhook handler does); each run of the relay makes one
+A handler that keeps circuit breakers, or parks messages until a destination
+recovers, offers an ``outbox_share_breakers(board)`` hook (the webhook handler
+and the broker publishers do); each run of the relay makes one
 :class:`~outbox._breaker_board.BreakerBoard` for its engine and relay id, hands
 it to every such handler before the first claim, and closes it when the run
 ends, after writing what its breakers decided last. The board's first read is
 awaited, so a relay that starts during an outage skips the destinations other
 relays found down from its very first delivery. A hook that raises is logged
 (action ``handler_breakers``) and its handler's breakers stay its own: sharing
-them is never a reason not to deliver.
+them is never a reason not to deliver. When the board releases parked
+messages (a destination is back) it wakes this run, so they are claimed at
+once, on SQLite as well, where no NOTIFY would announce them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class SharedBreakers:
         if not sharing:
             return
         board = BreakerBoard(self._engine, self._rt.id)
+        board.on_release = self._released
         for route in sharing:
             try:
                 getattr(route.handler, HOOK)(board)
@@ -58,6 +62,13 @@ class SharedBreakers:
                 )
         self.board = board
         await self._rt.db(board.start)  # never raises: a failed read is logged, the thread starts
+
+    def _released(self, destination: str, count: int) -> None:
+        """On the board's thread: parked messages are due now, so claim (the NOTIFY may come later)."""
+        try:
+            self._rt.loop.call_soon_threadsafe(self._rt.wake.set)
+        except RuntimeError:  # the run's loop has closed: nobody left to wake
+            pass
 
     async def stop(self) -> None:
         board, self.board = self.board, None

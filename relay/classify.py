@@ -65,7 +65,8 @@ def classify(
 
     - returned: delivered; a returned Mapping is the attempt's detail;
     - ``RetryLater``: retried after its delay (or the route's backoff), not
-      counted if ``counts_as_attempt=False``;
+      counted if ``counts_as_attempt=False``, parked on its destination if
+      ``until_recovered`` names one;
     - ``PermanentError``: dead at once;
     - anything else, ``SystemExit`` and ``KeyboardInterrupt`` included: failed.
 
@@ -82,6 +83,7 @@ def classify(
     detail: dict[str, Any] | None = None
     last = message.attempt >= max_attempts
     refund = False
+    parked_on: str | None = None
     if timed_out:
         outcome = "timeout"
         error_type = "TimeoutError"
@@ -95,6 +97,9 @@ def classify(
         if not raised.counts_as_attempt:
             refund, last = True, False
             detail = {**(detail or {}), "counted": False}
+        if raised.until_recovered is not None:
+            parked_on = raised.until_recovered
+            detail = {**(detail or {}), "parked_on": parked_on}
     elif isinstance(raised, PermanentError):
         outcome = "dead"
         error_type, error = describe(raised, redactor)
@@ -133,6 +138,7 @@ def classify(
         error=None if error is None else _storable_text(error),
         detail=_storable_detail(detail),
         refund=refund,
+        parked_on=None if status != "pending" else parked_on,
     )
 
 

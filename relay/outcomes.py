@@ -46,6 +46,9 @@ class Completion:
     detail: dict[str, Any] | None = field(default=None)
     #: a deferral that must not use up an attempt (an open circuit breaker, say)
     refund: bool = False
+    #: the destination a deferral waits for (``RetryLater(until_recovered=...)``): released early by
+    #: ``outbox_unpark`` when it recovers
+    parked_on: str | None = None
 
 
 _WRITTEN_ONCE = [a.c.message_id, a.c.attempt, a.c.outcome, a.c.started_at]
@@ -89,6 +92,7 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
             "err": r.error,
             "later": clock.bind_later(timedelta(seconds=r.retry_in)),
             "refund": int(r.refund),
+            "parked": r.parked_on,
         }
         for r in results
         if r.status == "pending"
@@ -106,6 +110,7 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
                 .values(
                     status="delivered",
                     delivered_at=now,
+                    parked_on=None,
                     locked_by=None,
                     locked_until=None,
                     updated_at=now,
@@ -121,6 +126,7 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
                     available_at=clock.later("later"),
                     last_error=bindparam("err"),
                     attempts=m.c.attempts - bindparam("refund", type_=Integer()),
+                    parked_on=bindparam("parked"),
                     locked_by=None,
                     locked_until=None,
                     updated_at=now,
@@ -135,6 +141,7 @@ def write(engine: Engine, relay_id: str, clock: StatementClock, results: Sequenc
                     .values(
                         status=status,
                         last_error=bindparam("err"),
+                        parked_on=None,
                         locked_by=None,
                         locked_until=None,
                         updated_at=now,
@@ -168,7 +175,7 @@ def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]
     time (as it recorded it) and its own clock at the write: this host's clock
     can make them less precise, never older or newer than what happened.
     """
-    batch = [
+    batch: list[dict[str, Any]] = [
         {
             "id": r.message_id,
             "attempt": r.attempt,
@@ -186,6 +193,9 @@ def batch_params(relay_id: str, results: Sequence[Completion]) -> dict[str, Any]
         }
         for r in results
     ]
+    for entry, r in zip(batch, results, strict=True):
+        if r.parked_on is not None:  # rare: most batches carry no such key at all
+            entry["parked_on"] = r.parked_on
     # ASCII-escaped JSON: text the database cannot take (a lone surrogate) is then refused by
     # the database, which the writer isolates, instead of failing to encode on the way out.
     return {"me": relay_id, "batch": json.dumps(batch, allow_nan=False)}

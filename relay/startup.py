@@ -60,10 +60,12 @@ _FUNCTIONS = text(
 )
 
 
-#: Where each claim reads a message's expiry (migration outbox_0018).
-_EXPIRY_COLUMN = text(
-    "SELECT count(*) FROM pg_attribute WHERE attrelid = CAST(:table AS regclass)"
-    " AND attname = 'expires_at' AND NOT attisdropped"
+#: Columns this relay reads or writes that later migrations added: where each claim reads a
+#: message's expiry (outbox_0018), where an outcome parks a message (outbox_0021).
+_NEWER_COLUMNS = ("expires_at", "parked_on")
+_COLUMNS = text(
+    "SELECT attname FROM pg_attribute WHERE attrelid = CAST(:table AS regclass)"
+    " AND attname = ANY(CAST(:names AS text[])) AND NOT attisdropped"
 )
 
 
@@ -74,14 +76,16 @@ def _probe(engine: Engine) -> None:
         conn.execute(select(outbox_pause.c.kind).limit(0))
         if engine.dialect.name == "postgresql":
             found = conn.execute(_FUNCTIONS, {"signatures": list(RELAY_FUNCTIONS)}).all()
-            expiry = conn.execute(_EXPIRY_COLUMN, {"table": "outbox_message"}).scalar_one()
+            params = {"table": "outbox_message", "names": list(_NEWER_COLUMNS)}
+            columns = set(conn.execute(_COLUMNS, params).scalars())
         else:
-            columns = conn.exec_driver_sql("SELECT name FROM pragma_table_info('outbox_message')")
-            expiry = "expires_at" in set(columns.scalars())
+            pragma = conn.exec_driver_sql("SELECT name FROM pragma_table_info('outbox_message')")
+            columns = set(pragma.scalars())
     url = engine.url.render_as_string(hide_password=True)
-    if not expiry:
+    absent = [name for name in _NEWER_COLUMNS if name not in columns]
+    if absent:
         raise DatabaseUnavailable(
-            f"the outbox tables in {url} are older than this relay (no outbox_message.expires_at): "
+            f"the outbox tables in {url} are older than this relay (no outbox_message.{absent[0]}): "
             "run `outbox migrate --database-url ...` first"
         )
     if engine.dialect.name != "postgresql":

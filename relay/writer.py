@@ -58,6 +58,8 @@ class OutcomeWriter:
         self.deliveries_running: Callable[[], int] = lambda: 0
         #: a batch this small waits up to LINGER for company while deliveries still run
         self.min_batch = 1
+        #: the wake-up set for the soonest retry due before the next poll (see _wake_for_retries)
+        self._retry_wake: asyncio.TimerHandle | None = None
 
     # -- what the others see ------------------------------------------------------
 
@@ -155,10 +157,32 @@ class OutcomeWriter:
             finally:
                 self._writing = []
         self.on_written()
+        self._wake_for_retries(batch)
         for message, completion in batch:
             self._announce(message, completion)
 
+    def _wake_for_retries(self, batch: list[Outcome]) -> None:
+        """Claim again when a retry due before the next poll comes due, not at the poll.
+
+        A retry of a second or less (a circuit breaker's next trial, a broker
+        reconnecting) would otherwise wait for the poll as well, which no NOTIFY
+        cuts short. The timer starts after the write, so it never fires before
+        the database's own clock makes the message due.
+        """
+        soonest = min((c.retry_in for _, c in batch if c.status == "pending"), default=None)
+        if soonest is None or soonest >= self._rt.poll_interval:
+            return
+        loop = self._rt.loop
+        when = loop.time() + soonest + 0.005  # a hair after: a claim at the very instant may miss it
+        if self._retry_wake is not None and not self._retry_wake.cancelled():
+            if self._retry_wake.when() <= when and self._retry_wake.when() >= loop.time():
+                return  # an earlier wake-up is set already
+            self._retry_wake.cancel()
+        self._retry_wake = loop.call_at(when, self._rt.wake.set)
+
     async def close(self) -> None:
+        if self._retry_wake is not None:
+            self._retry_wake.cancel()
         if self._recorder is not None:
             await self._recorder.close()
 

@@ -40,7 +40,7 @@ COOLDOWN = 60.0  # long enough that nothing reopens on its own while a test runs
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    """A receiver that is down (500) until a test brings it back."""
+    """A receiver that fails (500) until a test brings it back."""
     found = Receiver()
     found.default = Reply(500, body=b"down")
     yield from serve(found)
@@ -257,6 +257,7 @@ def test_retry_now_clears_the_breaker_for_every_relay(pg_engine, pg_url, pg_make
 
 
 def test_a_successful_trial_closes_the_breaker_for_every_relay(pg_engine, pg_maker, receiver):
+    receiver.default = Reply(503, body=b"unavailable")  # a trial every cool-down, none counted
     shop_a, shop_b = shop(receiver, cooldown=1.0), shop(receiver, cooldown=1.0)
     relay_a = relay(shop_a, pg_engine, "relay-a", "a")
     relay_b = relay(shop_b, pg_engine, "relay-b", "b")

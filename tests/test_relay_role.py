@@ -134,6 +134,10 @@ def test_a_relay_cannot_record_an_outcome_for_a_message_it_never_claimed(roles: 
         {"outcome": "retry", "status": "pending", "refund": 2},
         {"outcome": "expired", "status": "dead"},
         {"outcome": "expired", "status": "pending", "refund": 1},
+        {"outcome": "retry", "status": "pending", "parked_on": "amqp://b:5672/"},
+        {"outcome": "dead", "status": "dead", "refund": 0, "parked_on": "amqp://b:5672/"},
+        {"outcome": "retry", "status": "pending", "refund": 1, "parked_on": " "},
+        {"outcome": "retry", "status": "pending", "refund": 1, "parked_on": "x" * 1001},
     ],
     ids=[
         "requeued",
@@ -143,6 +147,10 @@ def test_a_relay_cannot_record_an_outcome_for_a_message_it_never_claimed(roles: 
         "refund-of-two",
         "expired-but-dead",
         "expired-but-pending",
+        "parked-but-counted",
+        "parked-but-dead",
+        "parked-on-nothing",
+        "parked-on-too-long-a-name",
     ],
 )
 def test_a_relay_records_only_its_own_kinds_of_outcome(roles: Roles, pg_engine, completion):
@@ -322,3 +330,56 @@ def test_expiry_over_the_guides_logins_end_to_end(roles: Roles, pg_engine):
         states = conn.execute(select(m.c.status, m.c.expires_at).order_by(m.c.id)).all()
     assert [s for s, _ in states] == ["discarded", "delivered", "delivered"]
     assert states[0][1] == soon and states[2][1] is None
+
+
+def test_the_relay_login_parks_messages_and_releases_them_through_outbox_unpark(roles: Roles, pg_engine):
+    """A parked deferral is recorded on the message; ``outbox_unpark`` makes every one on it due at once."""
+    from outbox._parking import unpark
+
+    ob = _relay_ob()
+    first, second, other = _emitted(pg_engine, ob, 3)
+    relay_engine = roles.engine("outbox_relay")
+    relay = Relay(ob, relay_engine, relay_id="r1")
+    assert len(relay.store.claim("default", ["r"], 3)) == 3
+    broker = "amqp://rabbit:5672/"
+
+    def parked(mid: int, destination: str) -> Completion:
+        return _done(
+            mid, 1, outcome="retry", status="pending", retry_in=60, refund=True, parked_on=destination
+        )
+
+    relay.store.complete([parked(first, broker), parked(second, broker), parked(other, "nats://n:4222")])
+    with pg_engine.connect() as conn:
+        rows = {r.id: r for r in conn.execute(select(m.c.id, m.c.parked_on, m.c.attempts, m.c.available_at))}
+        now = conn.scalar(select(func.now()))
+    assert {i: (r.parked_on, r.attempts) for i, r in rows.items()} == {
+        first: (broker, 0),
+        second: (broker, 0),
+        other: ("nats://n:4222", 0),
+    }
+    assert all(r.available_at > now + timedelta(seconds=50) for r in rows.values())
+
+    with relay_engine.begin() as conn:
+        assert unpark(conn, broker) == 2
+        assert unpark(conn, broker) == 0  # nothing is parked on it any more
+    with pg_engine.connect() as conn:
+        rows = {r.id: r for r in conn.execute(select(m.c.id, m.c.parked_on, m.c.available_at))}
+        now = conn.scalar(select(func.now()))
+    assert rows[first].parked_on is None and rows[first].available_at <= now
+    assert rows[second].parked_on is None and rows[second].available_at <= now
+    assert rows[other].parked_on == "nats://n:4222" and rows[other].available_at > now  # another destination
+
+    # Claimed again and delivered, the message keeps no trace of the parking but its history.
+    assert {r.id for r in relay.store.claim("default", ["r"], 3)} == {first, second}
+    relay.store.complete([_done(first, 1), parked(second, broker)])
+    with pg_engine.connect() as conn:
+        states = {
+            r.id: (r.status, r.parked_on) for r in conn.execute(select(m.c.id, m.c.status, m.c.parked_on))
+        }
+    assert states[first] == ("delivered", None) and states[second] == ("pending", broker)
+    refused(roles.engine("outbox_app"), "SELECT outbox_unpark('amqp://rabbit:5672/')")
+    with (
+        pytest.raises(DBAPIError, match="a destination of 1 to 1000 characters"),
+        relay_engine.begin() as conn,
+    ):
+        unpark(conn, "")

@@ -47,7 +47,7 @@ from outbox import (
     RetryLater,
     emit,
 )
-from outbox.integrations._breaker import CircuitBreaker, CircuitOpen
+from outbox.integrations._breaker import VOLUNTEER_GRACE, CircuitBreaker, CircuitOpen
 from outbox.integrations._ratelimit import RateLimited, RateLimiter
 from outbox.integrations._signing import sign
 from outbox.integrations._ssrf import AddressPolicy, literal_address
@@ -883,6 +883,65 @@ def test_breaker_half_open_admits_one_trial():
     assert not breaker.acquire("h").trial
     breaker.acquire("other").release()  # no verdict leaves no trace
     assert "other" not in breaker.states()
+
+
+def test_while_open_one_caller_volunteers_for_the_next_trial_and_the_others_wait():
+    now = [0.0]
+    breaker = CircuitBreaker(threshold=1, cooldown=1.0, trial_timeout=10.0, clock=lambda: now[0])
+    assert breaker.acquire("h").failure() is True  # open after it
+    assert breaker.volunteer("h") and not breaker.volunteer("h")  # one per destination
+    now[0] = 1.0
+    trial = breaker.acquire("h")
+    assert trial.trial and not breaker.volunteer("h")  # a trial is in flight
+    with pytest.raises(CircuitOpen, match="half-open"):
+        breaker.acquire("h")
+    assert trial.failure() is True  # reopened for another cool-down
+    assert breaker.volunteer("h")  # the failed trial's caller (or whoever asks first) comes back
+    now[0] = 2.0 + VOLUNTEER_GRACE + 0.1  # ... and never came: another may
+    assert breaker.volunteer("h")
+    # A failed trial that counted (a 500, say) waits longer before the next.
+    trial = breaker.acquire("h")
+    assert trial.failure(pause=30.0) is True
+    with pytest.raises(CircuitOpen) as raised:
+        breaker.acquire("h")
+    assert raised.value.remaining == 30.0
+    now[0] += 30.0
+    breaker.acquire("h").success()
+    assert not breaker.volunteer("h") and breaker.states() == {"h": False}  # closed: nothing to wait for
+
+
+def test_behind_an_open_breaker_unavailability_uses_no_attempt_and_an_error_trial_counts(receiver):
+    """Outside a relay (no board), nothing parks: deferrals wait out the cool-down instead."""
+    receiver.default = Reply(503, body=b"maintenance")
+    handler = WebhookHandler(
+        receiver.url(), SECRET, allowed_networks=LOCAL, breaker_threshold=2, breaker_cooldown=0.5
+    )
+
+    def deferral() -> RetryLater:
+        with pytest.raises(RetryLater) as raised:
+            call(handler, message({"n": 1}))
+        return raised.value
+
+    first = deferral()
+    assert first.counts_as_attempt and first.detail["status"] == 503  # the breaker is still closed
+    opening = deferral()
+    assert not opening.counts_as_attempt and opening.until_recovered is None  # no board: not parked
+    assert opening.detail["breaker"] == "open" and opening.detail["status"] == 503
+    volunteer = deferral()
+    assert not volunteer.counts_as_attempt and volunteer.detail["volunteer"] is True
+    assert 0 < volunteer.delay <= 0.5
+    waiting = deferral()
+    assert not waiting.counts_as_attempt and "volunteer" not in waiting.detail
+    assert len(receiver.requests) == 2  # turned away: nothing sent
+    time.sleep(volunteer.delay)
+    trial = deferral()
+    assert trial.detail["trial"] is True and not trial.counts_as_attempt and trial.delay == 0.5
+    assert len(receiver.requests) == 3
+    receiver.default = Reply(500, body=b"bug")
+    time.sleep(0.5)
+    errored = deferral()
+    assert errored.counts_as_attempt and errored.detail["status"] == 500  # perhaps the message's fault
+    assert deferral().delay > 29  # so the next trial comes half a minute later
 
 
 def test_4xx_does_not_trip_the_breaker(receiver):

@@ -65,6 +65,8 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
             f"circuit breaker {breaker.state}: {breaker.destination} (route {breaker.route})"
             f" since {_when(breaker.since)}, {breaker.failures} failures, reopens {_when(breaker.reopen_at)}"
         )
+    for destination, count in sorted(result.parked.items()):
+        print(f"parked: {count} pending waiting for {destination} to recover")
     return 0
 
 
@@ -126,6 +128,9 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
         )
         return 0
     message = {**found.message, "last_error": _error_of(found.message["status"], found.message["last_error"])}
+    if message.get("parked_on") and message["status"] == "pending":
+        latest = _when(message["available_at"])
+        print(f"waiting for {message['parked_on']} to recover (due at {latest} at the latest)")
     for key, value in message.items():
         print(f"{key:>15}: {json.dumps(value, default=str) if isinstance(value, dict | list) else value}")
     print()

@@ -4,9 +4,11 @@ A relay whose deliveries to a destination keep failing opens its breaker, and
 every relay of the database skips that destination until the breaker's reopen
 time; then each may send one trial request, and the first that succeeds closes
 it for all. An operator who knows better (the partner says it is back) resets
-it: every relay sends to it again within about a second. ``outbox retry-now``
-does the same for the breakers of the messages it makes due, or the relay
-would turn them away again at once.
+it: every relay sends to it again within about a second, and the messages
+parked on it (``outbox_message.parked_on``) are due at once (``outbox_unpark``,
+migration ``outbox_0021``). ``outbox retry-now`` does the same for the
+breakers of the messages it makes due, or the relay would turn them away again
+at once.
 
 Each reset is a row of ``outbox_breaker_log`` with the actor and the reason,
 written in the transaction that deletes the breaker: on PostgreSQL by the
@@ -24,6 +26,7 @@ from typing import Any
 from sqlalchemy import Text, cast, func, insert, inspect, or_, select
 from sqlalchemy.engine import Connection, Engine, Row
 
+from .._parking import unpark
 from .._tables import outbox_breaker, outbox_breaker_log
 from ._base import InvalidRequest, OpsError, _check_reason, _now, a, decoded
 from ._in_database import call
@@ -113,9 +116,9 @@ def _check_destination(destination: str) -> str:
 def reset_breaker(engine: Engine, destination: str, *, reason: str, actor: str) -> Breaker:
     """Close the breaker of ``destination`` for every relay; returns it as it was.
 
-    Every relay sends to the destination again within about a second.
-    Messages the breaker deferred keep their time (at most the rest of its
-    cool-down); ``retry_now`` sends them at once. Raises
+    Every relay sends to the destination again within about a second, and
+    the messages the breaker held back (parked on it) are due at once.
+    Raises
     :class:`BreakerNotOpen` when the destination has no open breaker: a
     mistyped name must not look like a reset.
     """
@@ -149,6 +152,8 @@ def _reset(
             event=event,
         )
         now = _clock(conn)
+        for row in rows:
+            _release(conn, row.destination)
         return [_breaker(row, now) for row in rows]
     now = _now()
     matching = or_(b.c.destination.in_(list(destinations)), b.c.handler.in_(list(routes)))
@@ -165,7 +170,16 @@ def _reset(
                 reason=reason,
             )
         )
+        _release(conn, row.destination)
     return [_breaker(row, now) for row in rows]
+
+
+def _release(conn: Connection, destination: str) -> None:
+    """What the breaker held back parked goes out now (outbox_0021), in the reset's transaction."""
+    if conn.dialect.name == "postgresql":
+        call(conn, "SELECT outbox_unpark(:destination)", destination=destination)
+    else:
+        unpark(conn, destination)
 
 
 def _deferred_by(conn: Connection, ids: Sequence[int]) -> set[str]:

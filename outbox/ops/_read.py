@@ -54,6 +54,8 @@ class Stats:
     paused: list[Pause] = field(default_factory=list)
     # destinations every relay skips (open) or sends one trial to (half-open), oldest first
     breakers: list[Breaker] = field(default_factory=list)
+    # per destination: pending messages parked until it recovers (outbox_message.parked_on)
+    parked: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +70,7 @@ class Stats:
             "dead_requeued": self.dead_requeued,
             "paused": [p.as_dict() for p in self.paused],
             "breakers": [b.as_dict() for b in self.breakers],
+            "parked": self.parked,
         }
 
 
@@ -125,6 +128,13 @@ def stats(engine: Engine, *, counts: bool = True) -> Stats:
         )
         paused = paused_on(conn)
         open_breakers = breakers_on(conn)
+        parked: dict[str, int] = dict(
+            conn.execute(  # the partial index of parked messages: no other row is read
+                select(m.c.parked_on, func.count())
+                .where(m.c.parked_on.is_not(None), m.c.status == "pending")
+                .group_by(m.c.parked_on)
+            ).all()
+        )
     failed = sum(outcomes.get(o, 0) for o in ("retry", "failed", "timeout", "dead", "lease_expired"))
     return Stats(
         by_status=by_status,
@@ -138,6 +148,7 @@ def stats(engine: Engine, *, counts: bool = True) -> Stats:
         oldest_unfinished_age_s=unfinished,
         paused=paused,
         breakers=open_breakers,
+        parked=parked,
     )
 
 
