@@ -43,6 +43,11 @@ BROKER = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.
 SLOW = Backoff(base=60, cap=60)  # one failed attempt, then the test decides when the next one is due
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
+# Every test that talks to the broker runs on one xdist worker, one at a time (the suite
+# distributes with --dist loadgroup): the memory alarm below blocks every publisher on the
+# broker while it lasts, and no other broker test may be running then.
+pytestmark = pytest.mark.xdist_group("rabbitmq")
+
 
 # -- the broker side ------------------------------------------------------------------------
 
