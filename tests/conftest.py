@@ -42,6 +42,30 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return min((os.cpu_count() or 1) + 1, 8)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put each ``xdist_group`` test's group in its node id, which ``--dist loadgroup`` schedules by.
+
+    The tests marked ``xdist_group("rabbitmq")`` must share one worker (see tests/test_rabbitmq.py).
+    pytest-xdist appends the group to the id through an attribute pytest 9.2 no longer reads, and
+    the groups then silently do not group; this appends it where pytest keeps the id. It does
+    nothing where xdist's suffix took, and outside loadgroup workers (``-n 0``, other modes).
+    """
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {
+            str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            for mark in item.iter_markers("xdist_group")
+        }
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix) or not hasattr(item, "_id"):
+            continue
+        from _pytest.nodeid import NodeId  # pytest >= 9.2, the versions that need this
+
+        item._id = NodeId.parse(item.nodeid + suffix)
+
+
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("template") / "outbox.db"

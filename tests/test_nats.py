@@ -1,7 +1,8 @@
 """NatsPublisher against the real nats-server with JetStream: what a stream and its consumers get.
 
 Every test makes its own stream (unique name and subjects) and deletes it.
-The restart test stops the shared server and always starts it again.
+The restart test kills and restarts a server of its own (tests/natsserver.py); the shared
+server is never stopped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import nats
 import pytest
+from natsserver import NatsServer
 from relayproc import RelayProcess, wait_until
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.engine import Engine
@@ -35,22 +36,17 @@ from outbox.integrations.nats import NatsPublisher
 from outbox.relay import Relay
 
 URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
-SERVER = "/usr/sbin/nats-server"
-START = [
-    "start-stop-daemon", "--start", "--oknodo", "--background", "--exec", SERVER, "--",
-    "-a", "127.0.0.1", "-p", "4222", "-js", "-sd", "/var/lib/nats-server", "-l", "/var/log/nats-server.log",
-]  # fmt: skip
 FAST = Backoff(base=0.001, cap=0.002)
 m = outbox.outbox_message
 a = outbox.outbox_attempt
 T = TypeVar("T")
 
 
-def run(fn: Callable[[nats.NATS], Awaitable[T]]) -> T:
+def run(fn: Callable[[nats.NATS], Awaitable[T]], url: str = URL) -> T:
     """One admin call on a connection of its own (the relay under test has its own)."""
 
     async def go() -> T:
-        nc = await nats.connect(URL, connect_timeout=2, max_reconnect_attempts=0)
+        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
         try:
             return await fn(nc)
         finally:
@@ -77,6 +73,7 @@ def _server() -> None:
 class Stream:
     name: str
     prefix: str
+    url: str = URL
 
     def messages(self) -> list[Any]:
         """Everything the stream holds, in order, read message by message."""
@@ -88,19 +85,19 @@ class Stream:
                 return []
             return [await js.get_msg(self.name, seq) for seq in range(state.first_seq, state.last_seq + 1)]
 
-        return run(read)
+        return run(read, self.url)
 
 
-def make_stream(window: float = 120.0) -> Stream:
+def make_stream(window: float = 120.0, url: str = URL) -> Stream:
     tag = uuid.uuid4().hex[:10]
-    stream = Stream(f"OUTBOX_T_{tag}", f"t{tag}")
+    stream = Stream(f"OUTBOX_T_{tag}", f"t{tag}", url)
 
     async def add(nc: nats.NATS) -> None:
         await nc.jetstream().add_stream(
             name=stream.name, subjects=[f"{stream.prefix}.>"], duplicate_window=window
         )
 
-    run(add)
+    run(add, url)
     return stream
 
 
@@ -111,7 +108,7 @@ def drop_stream(stream: Stream) -> None:
         except nats.js.errors.NotFoundError:
             pass
 
-    run(delete)
+    run(delete, stream.url)
 
 
 @pytest.fixture
@@ -459,57 +456,37 @@ def test_no_ack_within_publish_timeout_is_a_retry_not_a_hang(sqlite_engine: Engi
         drop_stream(stream)
 
 
-def _kill_server() -> None:
-    """SIGKILL: no goodbye to clients; the stream is recovered from its files when the server starts."""
-    pid = int(
-        subprocess.run(["pgrep", "-x", "nats-server"], capture_output=True, text=True).stdout.split()[0]
-    )
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while nats_up() and time.monotonic() < deadline:
-        time.sleep(0.05)
+def test_server_restarted_during_a_run_loses_nothing(sqlite_engine: Engine, tmp_path: Path):
+    """SIGKILL mid-run: no goodbye to clients; JetStream recovers the stream from its files at restart."""
 
-
-def _start_server() -> None:
-    subprocess.run(START, check=True)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            run(lambda nc: nc.jetstream().account_info())
-            return
-        except Exception:
-            time.sleep(0.1)
-    raise AssertionError("nats-server did not come back with JetStream")
-
-
-def test_server_restarted_during_a_run_loses_nothing(sqlite_engine: Engine, stream: Stream):
     class Slow(NatsPublisher):
         async def __call__(self, message: Message) -> dict[str, Any]:
             await asyncio.sleep(0.01)  # a backlog that outlasts the outage's start
             return await super().__call__(message)
 
-    pub = Slow(URL, subject=f"{stream.prefix}.{{event_type}}", stream=stream.name, publish_timeout=1)
-    # One attempt each: a restart that used up attempts would leave messages dead.
-    ob, maker = setup(sqlite_engine, pub, max_attempts=1, backoff=Backoff(base=0.05, cap=0.5))
-    emit_n(maker, 300)
-    relay = Relay(ob, sqlite_engine, concurrency=4, poll_interval=0.1)
-    thread = threading.Thread(target=relay.run)
-    thread.start()
-    try:
-        wait_until(lambda: len(stream.messages()) >= 50, "50 messages stored", timeout=20)
-        _kill_server()
-        time.sleep(1)
-    finally:
-        if not nats_up():
-            _start_server()
-    try:
-        wait_until(
-            lambda: {r.status for r in rows(sqlite_engine)} == {"delivered"}, "all delivered", timeout=30
+    with NatsServer(tmp_path) as server:
+        stream = make_stream(url=server.url)
+        pub = Slow(
+            server.url, subject=f"{stream.prefix}.{{event_type}}", stream=stream.name, publish_timeout=1
         )
-    finally:
-        relay.stop()
-        thread.join(30)
-    stored = stream.messages()
+        # One attempt each: a restart that used up attempts would leave messages dead.
+        ob, maker = setup(sqlite_engine, pub, max_attempts=1, backoff=Backoff(base=0.05, cap=0.5))
+        emit_n(maker, 300)
+        relay = Relay(ob, sqlite_engine, concurrency=4, poll_interval=0.1)
+        thread = threading.Thread(target=relay.run)
+        thread.start()
+        try:
+            wait_until(lambda: len(stream.messages()) >= 50, "50 messages stored", timeout=20)
+            server.kill()
+            time.sleep(1)  # an outage the relay meets with publishes, not a blink between two
+            server.start()
+            wait_until(
+                lambda: {r.status for r in rows(sqlite_engine)} == {"delivered"}, "all delivered", timeout=30
+            )
+        finally:
+            relay.stop()
+            thread.join(30)
+        stored = stream.messages()
     assert sorted(json.loads(msg.data)["n"] for msg in stored) == list(range(300))
     history = attempts(sqlite_engine)
     assert any(h.outcome == "retry" for h in history), "the outage must have been met by a publish"

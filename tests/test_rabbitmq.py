@@ -15,10 +15,12 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,11 @@ a = outbox.outbox_attempt
 BROKER = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 SLOW = Backoff(base=60, cap=60)  # one failed attempt, then the test decides when the next one is due
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+# Every test that talks to the broker runs on one xdist worker, one at a time (the suite
+# distributes with --dist loadgroup): the memory alarm below blocks every publisher on the
+# broker while it lasts, and no other broker test may be running then.
+pytestmark = pytest.mark.xdist_group("rabbitmq")
 
 
 # -- the broker side ------------------------------------------------------------------------
@@ -468,20 +475,73 @@ def test_a_full_queue_that_rejects_publishes_is_retried_until_there_is_room(engi
     assert [x.body["n"] for x in broker.drain(queue)] == [2]
 
 
-@pytest.fixture
-def memory_alarm() -> Iterator[Any]:
-    """Raise the broker's memory alarm on demand (it blocks every publishing connection); always restored."""
-    before = rabbitmqctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()
-    if float(before) < 0.01:  # another run's alarm still raised: restore the server's default, not that
-        before = "0.4"
+ALARM = "0.0000001"  # a watermark no broker is under: the memory alarm goes off at once
+WATERMARK = "vm_memory_monitor:get_vm_memory_high_watermark()."
+CONFIGURED = "application:get_env(rabbit, vm_memory_high_watermark)."
 
-    def raise_alarm() -> None:
-        rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
 
+def watermark_args(term: str) -> list[str] | None:
+    """``set_vm_memory_high_watermark``'s arguments for an Erlang watermark; None for ours or none."""
+    term = term.strip()
+    if term.startswith("{ok,"):  # application:get_env's answer
+        term = term.removeprefix("{ok,").removesuffix("}")
+    absolute = re.fullmatch(r'\{absolute,\s*"?([^"}]+)"?\}', term)
+    if absolute:
+        return ["absolute", absolute.group(1)]
     try:
-        yield raise_alarm
+        fraction = float(term)
+    except ValueError:
+        return None
+    return None if fraction <= float(ALARM) * 10 else [term]
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM turned into an exception, so the watermark is restored on the way out."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise _Interrupted(f"signal {signum}")
+
+
+@pytest.fixture
+def memory_alarm() -> Iterator[Callable[[], AbstractContextManager[None]]]:
+    """The broker's memory alarm for the length of a ``with`` block: it blocks every publisher on the broker.
+
+    The broker's previous watermark comes back when the block ends however it ends: a failure,
+    Ctrl-C or SIGTERM (made an exception while the fixture lives). Only a run killed outright
+    leaves the alarm raised; the next run then restores the configured watermark, not that one.
+    """
+    restore = watermark_args(rabbitmqctl("eval", WATERMARK))
+    if restore is None:  # an earlier run's alarm is still raised (or the answer is unreadable)
+        restore = watermark_args(rabbitmqctl("eval", CONFIGURED)) or ["0.4"]  # 0.4: RabbitMQ's default
+    raised = False
+
+    def lift() -> None:
+        nonlocal raised
+        rabbitmqctl("set_vm_memory_high_watermark", *restore)
+        raised = False
+
+    @contextmanager
+    def alarm() -> Iterator[None]:
+        nonlocal raised
+        raised = True
+        try:
+            rabbitmqctl("set_vm_memory_high_watermark", ALARM)
+            yield
+        finally:
+            lift()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    try:
+        yield alarm
     finally:
-        rabbitmqctl("set_vm_memory_high_watermark", before)
+        try:
+            if raised:
+                lift()
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous_handler or signal.SIG_DFL)
 
 
 def test_a_confirm_that_never_comes_is_a_retry_not_a_hang(engine, ob, maker, broker, memory_alarm):
@@ -490,10 +550,10 @@ def test_a_confirm_that_never_comes_is_a_retry_not_a_hang(engine, ob, maker, bro
     ob.route("order.paid", publisher, name="orders_rabbit", backoff=SLOW)
     with maker() as s, s.begin():
         emit(s, "order.paid", {"n": 1})
-    memory_alarm()
-    began = time.monotonic()
-    Relay(ob, engine).run_until_idle()
-    took = time.monotonic() - began
+    with memory_alarm():
+        began = time.monotonic()
+        Relay(ob, engine).run_until_idle()
+        took = time.monotonic() - began
     assert took < 8, f"the relay waited {took:.1f}s on a blocked broker"
     (row,) = rows(engine)
     assert row.status == "pending"
@@ -501,7 +561,6 @@ def test_a_confirm_that_never_comes_is_a_retry_not_a_hang(engine, ob, maker, bro
     assert attempt.outcome == "retry" and attempt.detail["reason"] == "timeout"
     assert "no confirm" in attempt.error and "guest:guest" not in attempt.error
 
-    rabbitmqctl("set_vm_memory_high_watermark", "0.4")
     make_due(engine)
     drain(ob, engine)
     assert rows(engine)[0].status == "delivered"

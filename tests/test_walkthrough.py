@@ -243,6 +243,7 @@ def empty_database(pg_base_url: str) -> Iterator[str]:
     admin.dispose()
 
 
+@pytest.mark.xdist_group("rabbitmq")  # its consumer and relay use the broker: see tests/test_rabbitmq.py
 def test_every_command_on_the_page_runs(empty_database, tmp_path):
     workdir = tmp_path / "shop"
     shutil.copytree(EXAMPLE, workdir, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
