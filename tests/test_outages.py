@@ -204,6 +204,7 @@ def rabbit() -> Iterator[Broker]:
     b.delete()
 
 
+@pytest.mark.xdist_group("rabbitmq")  # the shared broker, behind a forwarder: see tests/test_rabbitmq.py
 def test_a_rabbitmq_outage_kills_nothing_and_the_backlog_goes_within_seconds_of_the_return(pg_engine, rabbit):
     queue = rabbit.bind("#")
     with Forwarder(5672) as path:
