@@ -121,3 +121,16 @@ def test_the_relay_and_the_handlers_never_import_each_other():
 def test_the_check_sees_a_cycle_when_there_is_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_package_in_the_checkout_is_in_the_wheel():
+    """pyproject lists the packages by hand: a new subpackage left off imports here and fails installed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join([package, *init.parent.relative_to(ROOT / folder).parts])
+        for folder, package in PACKAGES.items()
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
