@@ -112,6 +112,10 @@ def test_a_redelivery_after_its_marker_was_purged_is_refused_not_applied(engine)
 
 def test_the_downgrade_keeps_markers_in_their_window_and_dead_letters(empty_url):
     outbox.upgrade(empty_url)
+    # Down to the inbox's own revision first: on SQLite a refused downgrade keeps what the
+    # later revisions' downgrades already did (see docs/migrations.md), so each refusal below
+    # must be the inbox's alone.
+    outbox.downgrade(empty_url, "outbox_0020")
     from sqlalchemy import create_engine
 
     engine = create_engine(empty_url)
