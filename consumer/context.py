@@ -110,6 +110,17 @@ class SourceRun:
     def concurrency(self) -> int:
         return self._rt.concurrency
 
+    async def stored_offsets(self, topic: str) -> dict[int, int]:
+        rt = self._rt
+
+        def read() -> dict[int, int]:
+            with open_session(rt.sessions) as session:
+                return rt.inbox.stored_offsets(session, topic)
+
+        found: dict[int, int] = await rt.in_thread(read)
+        rt.database_ok()
+        return found
+
     def retry_delay(self, attempt: int) -> float:
         return self._rt.backoff.delay(max(attempt, 1))
 

@@ -86,6 +86,10 @@ class SourceContext(Protocol):
         """
         ...
 
+    async def stored_offsets(self, topic: str) -> dict[int, int]:
+        """``{partition: next offset}`` the inbox stored for ``topic`` (a Kafka source's assignment)."""
+        ...
+
     def retry_delay(self, attempt: int) -> float:
         """Seconds to wait before the delivery after failed ``attempt`` (capped backoff with jitter)."""
         ...
