@@ -67,12 +67,13 @@ from ._broker_recovery import Recovery
 from ._envelope import RoutingTemplate, envelope
 from ._per_loop import PerLoop
 from ._rabbitmq_config import check_url, positive, secrets, shown
+from ._rabbitmq_consumer import QueueDeclaration, RabbitMQConsumer
 from ._rabbitmq_link import Away, Link, Unreachable, close_quietly, connection_lost
 
 if TYPE_CHECKING:
     from outbox._breaker_board import BreakerBoard
 
-__all__ = ["RabbitMQPublisher"]
+__all__ = ["QueueDeclaration", "RabbitMQConsumer", "RabbitMQPublisher"]
 
 ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
 _KINDS: tuple[str, ...] = ("direct", "topic", "fanout", "headers")
