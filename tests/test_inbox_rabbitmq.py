@@ -58,7 +58,7 @@ from outbox.relay import Relay
 
 BROKER = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 KILL_MESSAGES = int(os.environ.get("OUTBOX_INBOX_KILL_MESSAGES") or 10_000)
-OUTSIDE_KILLS = 6  # the fault test's SIGKILLs from outside; the consumer adds about three of its own
+FAULTS = 8  # the fault test's consumer runs that end in a SIGKILL
 
 # The shared broker: these tests run on one xdist worker, one at a time (see tests/test_rabbitmq.py).
 pytestmark = pytest.mark.xdist_group("rabbitmq")
@@ -875,12 +875,14 @@ def test_the_guides_rabbitmq_consumer_runs_as_written(pg_db, rabbit, tmp_path):
 
 
 def test_kills_between_effect_and_acknowledgement_never_lose_or_repeat_an_effect(pg_db, rabbit, tmp_path):
-    """KILL_MESSAGES messages (and 5% published twice) through consumers SIGKILLed at random moments.
+    """KILL_MESSAGES messages (and 5% published twice) through consumers SIGKILLed again and again.
 
-    Some kills come from outside, at any moment (while starting, fetching,
-    committing); the others are the consumer's own, between a message's
-    commit and its acknowledgement, the window that makes redeliveries of
-    committed messages. Publishing goes on while the consumers run.
+    A run ends in one of two faults: a SIGKILL from outside at a random
+    moment (while starting, fetching, committing), or the consumer's own, at
+    a random acknowledgement, between that message's commit and its ack: the
+    window that makes redeliveries of committed messages. The first run ends
+    in the second kind, the second run in the first, and after FAULTS runs
+    the last one is let finish. Publishing goes on while the consumers run.
     """
     url, engine = pg_db
     started_at = time.monotonic()
@@ -898,7 +900,6 @@ def test_kills_between_effect_and_acknowledgement_never_lose_or_repeat_an_effect
     evidence = tmp_path / "evidence"
     evidence.mkdir()
     env = {"RABBIT_URL": BROKER, "RABBIT_QUEUE": queue, "RABBIT_INBOX_DIR": str(evidence)}
-    env["RABBIT_INBOX_KILL_ODDS"] = str(3 / len(everything))  # about three of its own over the run
     wanted = {str(m.event_id) for m in sent}
 
     def taken() -> int:
@@ -912,11 +913,16 @@ def test_kills_between_effect_and_acknowledgement_never_lose_or_repeat_an_effect
     try:
         while True:
             runs += 1
-            assert runs < 200, f"seed {seed}: no end in sight"
-            proc = ConsumerProcess(url, tmp_path / f"consumer-{runs}.log", "--concurrency", "8", **env)
+            assert runs < 100, f"seed {seed}: no end in sight"
+            fault = "none" if runs > FAULTS else "own" if runs == 1 else "outside" if runs == 2 else None
+            fault = fault or rng.choice(["own", "outside"])
+            kill_at = (
+                {"RABBIT_INBOX_KILL_AT": str(rng.randrange(1, KILL_MESSAGES // 10))} if fault == "own" else {}
+            )
+            log = tmp_path / f"consumer-{runs}.log"
+            proc = ConsumerProcess(url, log, "--concurrency", "8", **env, **kill_at)
             try:
-                # Up to OUTSIDE_KILLS from outside, 1.5 to 6 s into a run; then each run may finish.
-                end = time.monotonic() + (rng.uniform(1.5, 6.0) if outside_kills < OUTSIDE_KILLS else 3600)
+                end = time.monotonic() + (rng.uniform(1.5, 6.0) if fault == "outside" else 120)
                 while proc.alive() and time.monotonic() < end and not done():
                     time.sleep(0.1)
                 if proc.alive() and done():  # the end: a graceful stop acknowledges what it has in hand
@@ -924,6 +930,7 @@ def test_kills_between_effect_and_acknowledgement_never_lose_or_repeat_an_effect
                     if proc.proc.wait(60) == 0 and rabbit.depth(queue) == 0:
                         break
                 elif proc.alive():
+                    assert fault == "outside", f"seed {seed}: stuck for two minutes\n{proc.tail()}"
                     proc.proc.send_signal(signal.SIGKILL)
                     outside_kills += 1
             finally:
@@ -939,13 +946,13 @@ def test_kills_between_effect_and_acknowledgement_never_lose_or_repeat_an_effect
         f"seed {seed}: {len(repeated)} messages applied twice, e.g. {list(repeated.items())[:5]}"
     )
     assert set(counts) == wanted, f"seed {seed}: lost {len(wanted - set(counts))}"
-    self_kills = [p.name.removeprefix("kill-") for p in evidence.iterdir() if p.name.startswith("kill-")]
-    assert self_kills and outside_kills, (
-        f"seed {seed}: the faults did not happen ({self_kills}, {outside_kills})"
+    own_kills = [p.name.removeprefix("kill-") for p in evidence.iterdir() if p.name.startswith("kill-")]
+    assert own_kills and outside_kills, (
+        f"seed {seed}: the faults did not happen ({own_kills}, {outside_kills})"
     )
-    assert all(counts[m] == 1 for m in self_kills)  # committed, killed before the ack, redelivered: once
+    assert all(counts[m] == 1 for m in own_kills)  # committed, killed before the ack, redelivered: once
     print(
         f"\n{KILL_MESSAGES} messages (+{len(again)} published twice), {runs} consumer runs, "
-        f"{outside_kills} SIGKILLs from outside, {len(self_kills)} between commit and ack, "
+        f"{outside_kills} SIGKILLs from outside, {len(own_kills)} between commit and ack, "
         f"{took:.1f}s, seed {seed}"
     )

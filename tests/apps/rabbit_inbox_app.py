@@ -7,10 +7,10 @@ second row. Tests create the table themselves.
 Knobs, read from the consumer process's environment:
 
 - ``RABBIT_URL``, ``RABBIT_QUEUE``: the broker and the queue (it must exist);
-- ``RABBIT_INBOX_KILL_ODDS``: the chance, per acknowledgement, that the
-  process SIGKILLs itself after the message's commit and before its
-  acknowledgement, touching ``kill-<message id>`` in ``RABBIT_INBOX_DIR``
-  first: the window a crash can fall into between effect and ack;
+- ``RABBIT_INBOX_KILL_AT``: the process SIGKILLs itself at its N-th
+  acknowledgement, after that message's commit and before the ack goes out,
+  touching ``kill-<message id>`` in ``RABBIT_INBOX_DIR`` first: the window a
+  crash can fall into between effect and ack;
 - ``RABBIT_INBOX_DIR``: with ``RABBIT_INBOX_GATE`` set, each handler touches
   ``started-<message id>`` there, then waits (at most a minute) until the
   file named by ``RABBIT_INBOX_GATE`` exists: a test decides when in-flight
@@ -20,8 +20,8 @@ Knobs, read from the consumer process's environment:
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -36,7 +36,7 @@ from outbox.integrations.rabbitmq import RabbitMQConsumer
 
 inbox = Inbox("rabbit-inbox-test")
 
-ODDS = float(os.environ.get("RABBIT_INBOX_KILL_ODDS") or 0)
+KILL_AT = int(os.environ.get("RABBIT_INBOX_KILL_AT") or 0)
 DIR = os.environ.get("RABBIT_INBOX_DIR")
 GATE = os.environ.get("RABBIT_INBOX_GATE")
 
@@ -53,9 +53,12 @@ def effect(session: Session, message: InboxMessage) -> None:
     )
 
 
+acks = itertools.count(1)
+
+
 def _dying(ack: Ack, message_id: str) -> Ack:
     async def ack_or_die() -> None:
-        if random.random() < ODDS:
+        if next(acks) == KILL_AT:
             if DIR:
                 Path(DIR, f"kill-{message_id}").touch()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -67,7 +70,7 @@ def _dying(ack: Ack, message_id: str) -> Ack:
 
 
 class DyingContext:
-    """The runtime's context, with each acknowledgement that may kill the process first."""
+    """The runtime's context, with acknowledgements that count, and kill the process at KILL_AT."""
 
     def __init__(self, context: SourceContext) -> None:
         self._context = context
@@ -83,7 +86,7 @@ class DyingContext:
 
 
 class Dying:
-    """A source whose context kills the process between some commits and their acknowledgements."""
+    """A source whose context kills the process between a commit and its acknowledgement."""
 
     def __init__(self, source: RabbitMQConsumer) -> None:
         self._source = source
@@ -97,4 +100,4 @@ class Dying:
 
 
 _source = RabbitMQConsumer(os.environ["RABBIT_URL"], os.environ["RABBIT_QUEUE"])
-inbox.consume(Dying(_source) if ODDS else _source)
+inbox.consume(Dying(_source) if KILL_AT else _source)
