@@ -131,6 +131,8 @@ class RabbitMQConsumer:
         self._name = chosen
         #: the queue was there once: a later absence is an outage to wait out, not a configuration error
         self._found = False
+        #: connections that got as far as consuming: a failure after one starts a new outage
+        self._sessions = 0
         #: failed attempts by message id, for how long a redelivery waits (the runtime counts its own)
         self._failures: OrderedDict[str, int] = OrderedDict()
 
@@ -168,6 +170,7 @@ class RabbitMQConsumer:
                 away = self._away(context, away, exc)
                 await _pause(context.stopping, RECONNECT_INTERVAL)
                 continue
+            sessions = self._sessions
             try:
                 why = await self._serve(connection, context, prefetch)
             except _REFUSALS as exc:
@@ -182,7 +185,8 @@ class RabbitMQConsumer:
                 await close_quietly(connection, _CLOSE_TIMEOUT)
             if why is None:
                 return
-            away = self._away(context, None, why)
+            # A new outage if it consumed meanwhile (said again), else the same one going on.
+            away = self._away(context, None if self._sessions != sessions else away, why)
             await _pause(context.stopping, RECONNECT_INTERVAL)
 
     def _advice(self, refusal: str, exc: BaseException) -> str:
@@ -255,6 +259,7 @@ class RabbitMQConsumer:
             task.add_done_callback(tasks.discard)
 
         tag = await queue.consume(on_message)
+        self._sessions += 1
         context.connected(True)
         stopping = asyncio.ensure_future(context.stopping.wait())
         broken = asyncio.ensure_future(lost.wait())
