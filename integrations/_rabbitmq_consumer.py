@@ -207,6 +207,8 @@ class RabbitMQConsumer:
                 RECONNECT_INTERVAL,
                 extra={"action": "broker_away", "source": self._name},
             )
+        else:
+            log.debug("source %s: still away: %s", self._name, why, extra={"action": "broker_still_away"})
         return why
 
     async def _connect(self) -> AbstractConnection:

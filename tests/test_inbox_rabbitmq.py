@@ -563,17 +563,26 @@ def test_a_broker_outage_is_waited_out_readiness_follows_and_nothing_is_lost_or_
     assert rabbit.depth(queue) == 0
 
 
-def test_a_queue_deleted_while_consuming_is_waited_for_not_a_configuration_error(db, rabbit):
+def test_a_queue_deleted_while_consuming_is_waited_for_not_a_configuration_error(db, rabbit, caplog):
     url, engine = db
     queue = rabbit.declare()
     inbox = Inbox("patient")
     recording(inbox)
     inbox.consume(RabbitMQConsumer(BROKER, queue))
     metrics = ConsumerMetrics()
+    caplog.set_level("DEBUG", logger="outbox.integrations.rabbitmq")
+
+    def said(action: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if getattr(r, "action", None) == action]
+
     with serving(Consumer(inbox, url, metrics=metrics)) as errors:
         wait_until(ready(metrics, errors), "connected")
         rabbit.delete_queue(queue)
         wait_until(lambda: not metrics.ready()[0], "readiness to drop")
+        wait_until(lambda: len(said("broker_still_away")) >= 2, "two more tries while the queue is gone")
+        # Said when it began (consumer cancelled) and when the reason changed (no queue), not at every try.
+        cancelled, missing = said("broker_away")
+        assert "cancelled the consumer" in cancelled and "NOT_FOUND" in missing
         rabbit.declare(queue.removeprefix(rabbit.prefix + "-"))
         wait_until(ready(metrics, errors), "connected again")
         publish("", queue, [again := event(1)])
@@ -626,6 +635,19 @@ def test_a_missing_queue_stops_the_consumer_at_start_with_its_name(db, rabbit):
     message = str(refused.value)
     assert f"queue {queue!r}" in message and "declare=QueueDeclaration" in message
     assert "\n" not in message and "guest:guest" not in message
+
+
+def test_a_declaration_the_broker_refuses_stops_the_consumer_at_start_in_one_line(db, rabbit):
+    url, _ = db
+    queue = rabbit.declare(queue_type="classic")  # the declaration below asks for a quorum queue
+    inbox = Inbox("misdeclared")
+    recording(inbox)
+    inbox.consume(RabbitMQConsumer(BROKER, queue, declare=QueueDeclaration(None)))
+    with pytest.raises(ConfigurationError) as refused:
+        Consumer(inbox, url).run()
+    message = str(refused.value)
+    assert f"queue {queue!r}" in message and "PRECONDITION_FAILED" in message and "x-queue-type" in message
+    assert "\n" not in message
 
 
 @pytest.mark.parametrize(
