@@ -356,3 +356,28 @@ def test_an_older_schema_says_to_migrate(pg_url):
             Inbox("billing").process_requeued(engine)
     finally:
         engine.dispose()
+
+
+def test_the_downgrade_keeps_requeued_dead_letters_and_who_requeued_them(empty_url):
+    outbox.upgrade(empty_url)
+    engine = create_engine(empty_url)
+    try:
+        inbox = Inbox("billing")
+        inbox.handler("order.paid", name="bill")(lambda session, message: None)
+        with Session(engine) as s, s.begin():
+            dead_id = inbox.dead_letter(s, InboxMessage("m1", "order.paid"), ValueError("no customer"))
+        ops.requeue_inbox_dead_letter(engine, dead_id, actor="ana", reason="r")
+        with pytest.raises(RuntimeError, match="1 inbox dead letter\\(s\\) are requeued"):
+            outbox.downgrade(empty_url, "outbox_0021")
+        assert [r.outcome for r in inbox.process_requeued(engine)] == ["handled"]
+        if engine.dialect.name == "postgresql":  # the database recorded the requeue's login
+            with pytest.raises(RuntimeError, match="db_user records the login of 1 requeue"):
+                outbox.downgrade(empty_url, "outbox_0021")
+            return
+        outbox.downgrade(empty_url, "outbox_0021")  # SQLite: no login was recorded
+        with engine.connect() as conn:
+            row = conn.execute(select(dead.c.status, dead.c.actor)).one()
+        assert tuple(row) == ("handled", "ana")
+        assert outbox.upgrade(empty_url) == ["outbox_0022"]
+    finally:
+        engine.dispose()
