@@ -63,6 +63,7 @@ class Runtime:
         self.executor = ThreadPoolExecutor(concurrency, thread_name_prefix="outbox-consumer")
         self.failures: OrderedDict[str, int] = OrderedDict()
         self.connected: dict[str, bool] = {}
+        self.tracer_provider = inbox.outbox.tracer_provider if inbox.outbox is not None else None
 
     def database_ok(self) -> None:
         if self.metrics is not None:
@@ -169,7 +170,9 @@ class SourceRun:
         started = time.perf_counter()
         self._in_flight(1)
         try:
-            result: Processed = await rt.in_thread(traced, inbox.name, self._system, message, work)
+            result: Processed = await rt.in_thread(
+                traced, inbox.name, self._system, message, work, rt.tracer_provider
+            )
         except HandlerFailed as failed:
             rt.failed(message.id, message.attempt)
             rt.database_ok()

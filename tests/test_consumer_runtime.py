@@ -41,8 +41,8 @@ class QueueSource:
         self.finished = asyncio.Event()
         self.starts = 0
 
-    def publish(self, message_id: str | None, event_type: str | None, body: bytes) -> None:
-        headers = {}
+    def publish(self, message_id: str | None, event_type: str | None, body: bytes, **extra: str) -> None:
+        headers = dict(extra)
         if message_id is not None:
             headers["ce-id"] = message_id
         if event_type is not None:
@@ -251,3 +251,45 @@ def test_a_url_gets_the_inbox_outbox_installed_so_handlers_emit(database_url: st
             assert conn.scalar(select(func.count()).select_from(outbox.outbox_message)) == 1
     finally:
         engine.dispose()
+
+
+def test_the_message_span_continues_the_producer_trace_and_handlers_emits_carry_it(database_url: str) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    ob = outbox.Outbox(tracer_provider=provider)
+    ob.route("shipment.created", lambda message: None, name="notify")
+    inbox = Inbox("traced", outbox=ob)
+
+    @inbox.handler("order.paid", name="ship")
+    def ship(session: Session, message: InboxMessage) -> None:
+        outbox.emit(session, "shipment.created", {"order": message.id})
+
+    producer_trace, producer_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    source = QueueSource("rabbitmq:orders")
+    source.publish("m-1", "order.paid", b"{}", traceparent=f"00-{producer_trace}-{producer_span}-01")
+    inbox.consume(source)
+    try:
+        _run(Consumer(inbox, database_url), lambda: source.acked == ["m-1"])
+    finally:
+        provider.shutdown()
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "process order.paid"]
+    assert span.kind == SpanKind.CONSUMER
+    assert format(span.context.trace_id, "032x") == producer_trace
+    assert span.parent is not None and format(span.parent.span_id, "016x") == producer_span
+    assert span.attributes["messaging.system"] == "rabbitmq"
+    assert span.attributes["messaging.message.id"] == "m-1"
+    assert span.attributes["outbox.outcome"] == "handled"
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            headers = conn.scalar(select(outbox.outbox_message.c.headers))
+    finally:
+        engine.dispose()
+    trace_id, parent_id = headers["traceparent"].split("-")[1:3]
+    assert trace_id == producer_trace and parent_id == format(span.context.span_id, "016x")
