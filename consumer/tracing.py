@@ -6,9 +6,9 @@ so the span is its child (kind CONSUMER): the trace reads request → relay →
 broker → consumer. The span is current in the worker thread while the
 handlers run, so an ``emit()`` inside a handler stores this span's context and
 the chain goes on to the next consumer. An ``Inbox(outbox=...)`` whose Outbox
-has a ``tracer_provider`` gets its spans from that provider, as the relay does. Without an SDK the span records
-nothing but still carries the incoming context onward; without the
-``[otel]`` extra nothing here runs.
+has a ``tracer_provider`` gets its spans from that provider, as the relay
+does. Without an SDK the span records nothing but still carries the incoming
+context onward; without the ``[otel]`` extra nothing here runs.
 """
 
 from __future__ import annotations

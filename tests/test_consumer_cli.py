@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from relayproc import APPS, relay_env
-from sqlalchemy import create_engine, func, select
-
+from sqlalchemy import create_engine, select
 
 sys.path.insert(0, str(APPS))
 from spool_consumer_app import effects  # noqa: E402
