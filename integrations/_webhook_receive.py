@@ -133,7 +133,7 @@ def _configure(
             f"{what} takes a sessionmaker or an Engine (async_sessionmaker or AsyncEngine for the "
             f"async calls), got {type(sessions).__name__}"
         )
-    if secret is None:
+    if secret is None or secret == "":
         raise ConfigurationError(
             f"{what} needs secret='whsec_...' (or a list of them): the sender's signing secret"
         )
