@@ -14,7 +14,9 @@ nothing.
 
 from __future__ import annotations
 
+import re
 import socket
+import textwrap
 import threading
 import time
 import uuid
@@ -335,3 +337,28 @@ def test_each_event_takes_effect_once_at_the_receiver_whatever_the_sender_repeat
     assert sorted(receiver_markers(receiver_url)) == sorted(
         (hook, "handled") for hook in (first_hook, second_hook, third_hook, fourth_hook)
     )
+
+
+# -- the pages show the examples' code ------------------------------------------------------------------
+
+SNIPPET = re.compile(r"<!-- snippet: (?P<file>[^#]+)#(?P<name>[\w-]+) -->\n```\w*\n(?P<code>.*?)```", re.S)
+
+
+def section(path: Path, name: str) -> str:
+    found = re.search(
+        rf"[ \t]*# --8<-- \[start:{name}\]\n(.*?)[ \t]*# --8<-- \[end:{name}\]", path.read_text(), re.S
+    )
+    assert found, f"no section {name!r} in {path}"
+    return textwrap.dedent(found.group(1)).rstrip("\n") + "\n"
+
+
+def test_the_webhooks_page_shows_the_examples_code():
+    snippets = list(SNIPPET.finditer((ROOT / "docs" / "webhooks.md").read_text()))
+    assert {s["file"] for s in snippets} == {
+        "examples/webhook_receiver_fastapi.py",
+        "examples/webhook_receiver_flask.py",
+    }
+    for snippet in snippets:
+        assert snippet["code"] == section(ROOT / snippet["file"], snippet["name"]), (
+            f"{snippet['file']}#{snippet['name']} differs"
+        )
