@@ -71,8 +71,10 @@ _Kind: TypeAlias = Literal["sync", "async", "either"]
 DEFAULT_SOURCE = "webhook"
 #: Never stored with the message: the signature is of no use once checked.
 _SIGNATURE = "webhook-signature"
-#: Errors that become an answer; anything else is a bug or bad set-up, and is raised.
-_ANSWERED = (HandlerFailed, InvalidInboxMessage, DBAPIError, PoolTimeout)
+#: Errors that become an answer; anything else is a bug or bad set-up, and is raised. A handler's own
+#: errors arrive as HandlerFailed, so an OSError here is the database connection's: asyncpg raises
+#: ConnectionRefusedError and TimeoutError as they are, where SQLAlchemy wraps other drivers' errors.
+_ANSWERED = (HandlerFailed, InvalidInboxMessage, DBAPIError, PoolTimeout, OSError)
 
 
 @dataclass(frozen=True, slots=True)

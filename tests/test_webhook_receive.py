@@ -299,12 +299,31 @@ def test_a_database_error_is_503_and_the_request_is_taken_once_the_database_is_b
         engine.dispose()
 
 
+NOBODY = "outbox@127.0.0.1:9/none"  # the discard port: nothing listens on it here
+
+
 def test_a_database_nobody_answers_is_503():
-    engine = create_engine("postgresql+psycopg://outbox@127.0.0.1:9/none?connect_timeout=5")  # discard port
+    engine = create_engine(f"postgresql+psycopg://{NOBODY}?connect_timeout=5")
     orders = WebhookReceiver(Payments().inbox, sessionmaker(engine), secret=SECRET, event_type="order.paid")
     receipt = orders.receive(order(7), signed(order(7)))
     assert receipt.status_code == 503 and "OperationalError" in receipt.reason
     engine.dispose()
+
+
+@pytest.mark.parametrize("driver", ["postgresql+asyncpg", "postgresql+psycopg_async"])
+def test_an_async_database_nobody_answers_is_503(driver):
+    async def scenario() -> WebhookReceipt:
+        engine = create_async_engine(f"{driver}://{NOBODY}")
+        orders = WebhookReceiver(
+            Payments().inbox, async_sessionmaker(engine), secret=SECRET, event_type="x.y"
+        )
+        try:
+            return await orders.areceive(order(7), signed(order(7)))
+        finally:
+            await engine.dispose()
+
+    receipt = asyncio.run(scenario())
+    assert receipt.status_code == 503, receipt  # asyncpg's own ConnectionRefusedError, psycopg's wrapped one
 
 
 def test_concurrent_deliveries_of_one_webhook_take_effect_once(pg_engine):
