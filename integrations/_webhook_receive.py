@@ -42,7 +42,7 @@ import logging
 import math
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeAlias, cast
 
@@ -100,7 +100,7 @@ class _Settings:
     inbox: Inbox
     sessions: Any
     kind: _Kind
-    secret: str | Sequence[str]
+    secret: str | tuple[str, ...] = field(repr=False)  # never shown, should the settings be printed
     event_type: str | None
     tolerance: float
     source: str
@@ -139,8 +139,8 @@ def _configure(
         raise ConfigurationError(
             f"{what} needs secret='whsec_...' (or a list of them): the sender's signing secret"
         )
-    secrets = cast("str | Sequence[str]", secret)
-    parse_secrets(secrets)  # its errors name a secret by position, never by value
+    parse_secrets(cast("str | Sequence[str]", secret))  # its errors name a secret by position, never by value
+    secrets = secret if isinstance(secret, str) else tuple(cast("Sequence[str]", secret))  # a copy: fixed
     if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not math.isfinite(tolerance):
         raise ConfigurationError(f"tolerance must be a number of seconds, got {tolerance!r}")
     if tolerance <= 0:
