@@ -26,7 +26,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
-from outbox import ConfigurationError, Inbox, OutboxError, outbox_inbox
+from outbox import ConfigurationError, Inbox, OutboxError, enable_sqlite_savepoints, outbox_inbox
 from outbox._backoff import Backoff
 from outbox._first_line import first_line
 from outbox._inbox.sessions import Sessions
@@ -109,6 +109,8 @@ class Consumer:
         self._engine: Engine | None = None
         if isinstance(database, str):
             self._engine = create_engine(database, pool_size=concurrency, max_overflow=2, pool_pre_ping=True)
+            # SQLite: concurrent consumers queue for the write lock instead of failing at once.
+            enable_sqlite_savepoints(self._engine, wal=False)
             made: sessionmaker[Any] = sessionmaker(self._engine)
             if inbox.outbox is not None:
                 inbox.outbox.install(made)
