@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import logging
 import math
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +36,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from outbox import ConfigurationError, Outbox
 from outbox._argparse import OneLineParser, shown
 from outbox._first_line import first_line
+from outbox._load_app import load_app as load_outbox_app
 from outbox._routes import check_name
 from outbox._urls import check_url
 from outbox._write.payload import text_problem
@@ -224,55 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _failing_line(exc: BaseException) -> str:
-    """``file:line`` of the frame that raised (for a syntax error, of the bad line), importlib left out."""
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return f"{exc.filename}:{exc.lineno}"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen ")]
-    if not frames:
-        return "an unknown line"
-    return f"{frames[-1].filename}:{frames[-1].lineno}"
-
-
 def load_app(spec: str) -> Outbox:
     """Import ``module:attribute`` (the attribute may also be a function returning the Outbox)."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ConfigurationError(
-            f"--app must look like module:attribute (e.g. myapp.outbox:ob), got {spec!r}"
-        )
-    # Like `python -m`, resolve the application from the working directory.
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):  # the module itself is not there
-            raise ConfigurationError(f"--app {spec}: cannot import {module_name!r}: {exc}") from None
-        log.debug("importing %r failed", module_name, exc_info=True, extra={"action": "app_error"})
-        raise ConfigurationError(
-            f"--app {spec}: importing {module_name!r} failed at {_failing_line(exc)}: {exc}"
-        ) from None
-    except Exception as exc:
-        # A bug in the application's module: the one line says where, DEBUG logs the whole traceback.
-        log.debug("importing %r failed", module_name, exc_info=True, extra={"action": "app_error"})
-        raise ConfigurationError(
-            f"--app {spec}: importing {module_name!r} raised {type(exc).__name__}"
-            f" at {_failing_line(exc)}: {exc}"
-        ) from None
-    target: Any = module
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ConfigurationError(
-                f"--app {spec}: {module_name!r} has no attribute {attribute!r}"
-            ) from None
-    if not isinstance(target, Outbox) and callable(target):
-        target = target()
-    if not isinstance(target, Outbox):
-        raise ConfigurationError(f"--app {spec} is a {type(target).__name__}, not an outbox.Outbox")
-    return target
+    return load_outbox_app(spec, Outbox, "myapp.outbox:ob")
 
 
 def _freeze_startup_heap() -> None:

@@ -13,17 +13,16 @@ when LISTEN is enabled, the LISTEN connection is up).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from sqlalchemy import and_, case, func, select
 from sqlalchemy.engine import Engine
 
 from outbox import ConfigurationError, Message, outbox_message, outbox_pause
+from outbox._health_http import HealthServer
 from outbox._tables import status_is_one_of
 
 from .outcomes import Completion
@@ -124,7 +123,7 @@ class RelayMetrics:
         self.stale_after = stale_after
         self._last_db_ok = 0.0
         self._listening: Callable[[], bool] = lambda: True
-        self._server: ThreadingHTTPServer | None = None
+        self._server = HealthServer(self.registry, self.ready)
         self._breakers: list[Callable[[], dict[str, bool]]] = []
         self._queues: set[str] = set()
         self._unfinished_queues: set[str] = set()
@@ -213,48 +212,10 @@ class RelayMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the endpoint in a daemon thread; returns the bound port (useful with port 0)."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        metrics = self
-
-        class Endpoint(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._reply(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
-                elif path == "/healthz":
-                    self._reply(200, b"ok\n", "text/plain")
-                elif path == "/readyz":
-                    ok, why = metrics.ready()
-                    self._reply(200 if ok else 503, f"{why}\n".encode(), "text/plain")
-                else:
-                    self._reply(404, b"not found\n", "text/plain")
-
-            def _reply(self, status: int, body: bytes, content_type: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
-                pass
-
-        try:
-            self._server = ThreadingHTTPServer((host, port), Endpoint)
-        except OSError as exc:
-            raise ConfigurationError(
-                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
-            ) from None
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="outbox-metrics", daemon=True).start()
-        return int(self._server.server_address[1])
+        return self._server.serve(host, port)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        self._server.close()
 
 
 def _set_ages(gauge: Any, rows: Sequence[Any], known: set[str], now: datetime) -> set[str]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from .._exceptions import ConfigurationError
 from . import offsets
 from .checks import check_message, check_message_id, check_sent_at, check_text
 from .dead import bury, bury_async
@@ -19,9 +20,12 @@ from .process import process, process_async
 from .requeue import process_requeued, process_requeued_async
 from .sessions import AsyncSessions, Sessions
 from .settings import DEFAULT_KEEP, DEFAULT_MAX_FAILURES, InboxSettings, Unhandled
+from .source import InboxSource
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+    from .._outbox import Outbox
 
 __all__ = ["Inbox"]
 
@@ -43,6 +47,10 @@ class Inbox:
     no handler matches: ``"dead_letter"`` records it as a dead letter (seen,
     and requeue-able once a handler exists), ``"skip"`` marks it ``unhandled``
     and lets it go.
+
+    ``outbox``: the :class:`~outbox.Outbox` whose ``emit()`` the handlers
+    call. ``outbox-consumer`` installs it on the sessions it makes; an
+    application that passes its own sessionmaker installs it itself.
     """
 
     def __init__(
@@ -52,8 +60,15 @@ class Inbox:
         keep: timedelta = DEFAULT_KEEP,
         max_failures: int | None = DEFAULT_MAX_FAILURES,
         unhandled: Unhandled = "dead_letter",
+        outbox: Outbox | None = None,
     ) -> None:
+        from .._outbox import Outbox
+
+        if outbox is not None and not isinstance(outbox, Outbox):
+            raise ConfigurationError(f"inbox {name!r}: outbox must be an outbox.Outbox, got {outbox!r}")
         self._settings = InboxSettings(name, keep, max_failures, unhandled)
+        self._outbox = outbox
+        self._sources: list[InboxSource] = []
 
     @property
     def name(self) -> str:
@@ -70,6 +85,35 @@ class Inbox:
     @property
     def unhandled(self) -> Unhandled:
         return self._settings.unhandled
+
+    @property
+    def outbox(self) -> Outbox | None:
+        return self._outbox
+
+    # -- sources ----------------------------------------------------------------------------------
+
+    def consume(self, *sources: InboxSource) -> None:
+        """Attach broker consumers (``RabbitMQConsumer``, ``NatsConsumer``, ``KafkaConsumer``...).
+
+        ``outbox-consumer --app module:inbox`` (or ``outbox.consumer.Consumer``)
+        runs every source attached here. Two sources of one name are refused:
+        the name keys their metrics and logs.
+        """
+        taken = {source.name for source in self._sources}
+        for source in sources:
+            if not isinstance(source, InboxSource):
+                raise ConfigurationError(
+                    f"inbox {self.name!r}: consume() takes sources such as outbox.integrations.rabbitmq."
+                    f"RabbitMQConsumer, got {type(source).__name__}"
+                )
+            if source.name in taken:
+                raise ConfigurationError(f"inbox {self.name!r} has a source named {source.name!r} already")
+            taken.add(source.name)
+            self._sources.append(source)
+
+    @property
+    def sources(self) -> tuple[InboxSource, ...]:
+        return tuple(self._sources)
 
     def __repr__(self) -> str:
         return f"Inbox({self.name!r}, keep={self.keep!r}, handlers={len(self.handlers)})"
