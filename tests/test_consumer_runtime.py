@@ -293,3 +293,35 @@ def test_the_message_span_continues_the_producer_trace_and_handlers_emits_carry_
         engine.dispose()
     trace_id, parent_id = headers["traceparent"].split("-")[1:3]
     assert trace_id == producer_trace and parent_id == format(span.context.span_id, "016x")
+
+
+def test_a_running_consumer_takes_up_a_dead_letter_an_operator_requeued(db) -> None:
+    from outbox import ops
+
+    engine, sessions = db
+    inbox = Inbox("runtime", max_failures=1)
+    fixed = threading.Event()
+    applied: list[int] = []
+
+    @inbox.handler("order.paid", name="flaky")
+    def flaky(session: Session, message: InboxMessage) -> None:
+        if not fixed.is_set():
+            raise RuntimeError("the bug")
+        applied.append(message.attempt)
+
+    source = QueueSource()
+    source.publish("m-1", "order.paid", b"{}")
+    inbox.consume(source)
+
+    def requeued_and_handled() -> bool:
+        if source.acked != ["m-1"]:
+            return False
+        (dead,) = ops.inbox_dead_letters(engine, consumer="runtime", status=None)
+        if dead.status == "dead":
+            fixed.set()  # the fix is deployed; the operator requeues
+            ops.requeue_inbox_dead_letter(engine, dead.id, actor="ops", reason="bug fixed")
+        return dead.status == "handled"
+
+    _run(Consumer(inbox, sessions), requeued_and_handled, timeout=60)
+    assert applied == [2]
+    assert _markers(engine) == {"m-1": "dead"}  # the marker keeps what the delivery came to
