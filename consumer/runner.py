@@ -291,14 +291,6 @@ class Consumer:
         return self.inbox.process_requeued(self.sessions)
 
     def _count_requeued(self, result: Processed) -> None:
+        """Counted; the line for each is ``process_requeued``'s own."""
         if self.metrics is not None:
             self.metrics.messages.labels(self.inbox.name, REQUEUED, result.outcome).inc()
-        if result.outcome != "duplicate":
-            log.info(
-                "inbox %s: requeued dead letter %s (message %s) %s",
-                self.inbox.name,
-                result.dead_letter_id,
-                result.message_id,
-                "handled" if result.outcome == "handled" else "is dead again",
-                extra={"action": f"requeued_{result.outcome}", "message_id": result.message_id},
-            )
