@@ -78,10 +78,11 @@ from ._envelope import Envelope, RoutingTemplate, envelope
 from ._nats_acks import AckInbox, read_ack
 from ._nats_answers import RECONNECT_WAIT, Answers, with_base
 from ._nats_config import BAD_STREAM, BAD_SUBJECT, RESERVED_OPTIONS, STATIC, check_servers, hosts, secrets
+from ._nats_consumer import NatsConsumer
 from ._nats_window import WindowCheck, check_window
 from ._per_loop import PerLoop
 
-__all__ = ["NatsPublisher"]
+__all__ = ["NatsConsumer", "NatsPublisher"]
 
 log = logging.getLogger("outbox.integrations.nats")
 
