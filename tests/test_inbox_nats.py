@@ -34,7 +34,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo
 from natsserver import NatsServer
 from relayproc import relay_env, wait_until
-from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, func, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from tcpforward import Forwarder
@@ -52,6 +52,7 @@ from outbox import (
 from outbox.consumer import Consumer, ConsumerMetrics
 from outbox.integrations.nats import NatsConsumer, NatsPublisher
 from outbox.relay import Relay
+from outbox.testing import messages
 
 URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
 #: SIGKILLs the fault test's driver deals out at most (the processes' own kills come on top).
@@ -138,6 +139,13 @@ class Stream:
             return info
 
         return admin(go, self.url)
+
+    def exists(self, durable: str) -> bool:
+        try:
+            self.consumer(durable)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
 
     def settled(self, durable: str) -> bool:
         """Every stored message delivered to ``durable`` and acknowledged (False before it exists)."""
@@ -562,6 +570,57 @@ def test_a_server_killed_and_restarted_mid_stream_loses_nothing_and_repeats_noth
     assert done_before < len(ids), "the kill must land while messages were left"
     assert effect_counts(engine) == dict.fromkeys(ids, 1)
     engine.dispose()
+
+
+# -- the guide ------------------------------------------------------------------------------------
+
+
+def test_the_guides_nats_example_takes_a_published_order_and_stops_on_sigterm(tmp_path: Path) -> None:
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "inbox.md").read_text()
+    scripts = dict(re.findall(r"```python\n# file: (\S+)\n(.*?)```", guide, re.S))
+    found = re.search(r"\n### NATS JetStream\n.*?```python\n(# consume_orders\.py.*?)```", guide, re.S)
+    assert found is not None and "shipping.py" in scripts
+    (tmp_path / "shipping.py").write_text(scripts["shipping.py"])
+    with NatsServer(tmp_path) as server:
+        assert found.group(1).count("nats://127.0.0.1:4222") == 1
+        script = found.group(1).replace("nats://127.0.0.1:4222", server.url)
+        (tmp_path / "consume_orders.py").write_text(script)
+
+        async def add(nc: Any) -> None:
+            await nc.jetstream().add_stream(name="ORDERS", subjects=["orders.>"])
+
+        admin(add, server.url)
+        orders = Stream("ORDERS", "orders", server.url)
+        log = tmp_path / "consume_orders.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "consume_orders.py"],
+                cwd=tmp_path,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=relay_env(),
+            )
+        try:
+            # shipping.py makes its database afresh at import: only then is it ours to read.
+            until(lambda: "event emitted" in log.read_text() or proc.poll() is not None, "shipping.py run")
+            until(lambda: orders.exists("shipping") or proc.poll() is not None, "the durable made")
+            assert proc.poll() is None, log.read_text()
+            orders.publish([(ce("order-41"), b'{"order_id": 41}')])
+            engine = create_engine(f"sqlite:///{tmp_path / 'shipping.db'}")
+
+            def shipped() -> bool:
+                with engine.connect() as conn:
+                    return 41 in conn.scalars(text("SELECT order_id FROM shipments")).all()
+
+            until(shipped, "order 41 shipped", timeout=60)
+            until(lambda: orders.settled("shipping"), "the order acked")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log.read_text()
+            assert len(messages(engine, event_type="shipment.created")) == 2  # shipping.py's, and order 41's
+            engine.dispose()
+        finally:
+            proc.kill()
+            proc.wait(30)
 
 
 # -- outbox-consumer, as operators run it -----------------------------------------------------------
