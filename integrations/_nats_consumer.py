@@ -192,6 +192,8 @@ class NatsConsumer:
                 if free <= 0:
                     await asyncio.wait(in_hand, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                if client.is_closed:  # nats-py gave up: the runtime starts this source again
+                    raise ConnectionError(f"the connection to NATS at {self._hosts} was closed")
                 if not client.is_connected:  # no pull requests piled up while nats-py reconnects
                     await pause(context.stopping, 0.2)
                     continue
