@@ -325,3 +325,55 @@ def test_a_running_consumer_takes_up_a_dead_letter_an_operator_requeued(db) -> N
     _run(Consumer(inbox, sessions), requeued_and_handled, timeout=60)
     assert applied == [2]
     assert _markers(engine) == {"m-1": "dead"}  # the marker keeps what the delivery came to
+
+
+def test_an_outage_of_the_consumers_database_uses_up_no_attempts(pg_url: str) -> None:
+    """Deliveries that met a database error are taken off the broker's count before max_failures."""
+    from sqlalchemy.engine import make_url
+    from tcpforward import Forwarder
+
+    real = make_url(pg_url)
+    with Forwarder(real.port or 5432) as forwarder:
+        engine = create_engine(real.set(port=forwarder.port), pool_pre_ping=True)
+        inbox = Inbox("runtime", max_failures=2)
+        seen: list[int] = []
+
+        @inbox.handler("order.paid", name="fails_once")
+        def fails_once(session: Session, message: InboxMessage) -> None:
+            seen.append(message.attempt)
+            if len(seen) == 1:
+                raise RuntimeError("a bug that goes away")
+
+        source = QueueSource()
+        source.publish("m-1", "order.paid", b"{}")
+        cut_deliveries: list[int] = []
+        inner = source.consume
+
+        async def consume(context: SourceContext) -> None:
+            forwarder.cut()  # the database goes away as the first message arrives
+
+            class Watching:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(context, name)
+
+                async def take(self, message: InboxMessage, **kwargs: Any) -> Any:
+                    result = await context.take(message, **kwargs)
+                    if result is None and not seen:
+                        cut_deliveries.append(message.attempt)
+                        if len(cut_deliveries) == 3:
+                            forwarder.restore()
+                    return result
+
+            await inner(Watching())  # type: ignore[arg-type]
+
+        source.consume = consume  # type: ignore[method-assign]
+        inbox.consume(source)
+        consumer = Consumer(inbox, sessionmaker(engine), retry_backoff=Backoff(base=0.01, cap=0.01))
+        try:
+            _run(consumer, lambda: source.acked == ["m-1"], timeout=60)
+        finally:
+            engine.dispose()
+    assert cut_deliveries == [1, 2, 3]  # the broker's counts while the database was away
+    assert seen == [1, 2]  # its 4th and 5th deliveries: the outage counted for nothing
+    with create_engine(pg_url).connect() as conn:
+        assert conn.execute(select(outbox_inbox.c.outcome)).scalar_one() == "handled"
