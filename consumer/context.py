@@ -9,7 +9,10 @@ Failures are counted here as well as by the broker: RabbitMQ's classic queues
 and Kafka do not count deliveries, so without this a message whose handler
 always fails would come back forever instead of becoming a dead letter at the
 inbox's ``max_failures``. The count is the larger of the broker's and this
-process's, and is forgotten when the message is committed.
+process's, and is forgotten when the message is committed. A delivery that ended in a
+database error is taken off the broker's count: the handlers never ran, and
+an outage of the consumer's own database must not use up a message's
+attempts (what an outage costs, on the consuming side too, is time).
 """
 
 from __future__ import annotations
@@ -62,20 +65,35 @@ class Runtime:
         self.stopping = asyncio.Event()
         self.executor = ThreadPoolExecutor(concurrency, thread_name_prefix="outbox-consumer")
         self.failures: OrderedDict[str, int] = OrderedDict()
+        #: Deliveries of a message that ended in a database error: the broker counted them, the
+        #: inbox must not, or an outage of the consumer's own database would use up attempts.
+        self.uncounted: OrderedDict[str, int] = OrderedDict()
         self.connected: dict[str, bool] = {}
+        self.tracer_provider = inbox.outbox.tracer_provider if inbox.outbox is not None else None
 
     def database_ok(self) -> None:
         if self.metrics is not None:
             self.metrics.database_ok()
 
     def failed(self, message_id: str, attempt: int) -> None:
-        self.failures[message_id] = attempt
-        self.failures.move_to_end(message_id)
-        while len(self.failures) > FAILURES_KEPT:
-            self.failures.popitem(last=False)
+        _remember(self.failures, message_id, attempt)
+
+    def not_counted(self, message_id: str) -> None:
+        _remember(self.uncounted, message_id, self.uncounted.get(message_id, 0) + 1)
+
+    def forget(self, message_id: str) -> None:
+        self.failures.pop(message_id, None)
+        self.uncounted.pop(message_id, None)
 
     async def in_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+def _remember(counts: OrderedDict[str, int], message_id: str, value: int) -> None:
+    counts[message_id] = value
+    counts.move_to_end(message_id)
+    while len(counts) > FAILURES_KEPT:
+        counts.popitem(last=False)
 
 
 def _system(source: InboxSource) -> str:
@@ -138,9 +156,12 @@ class SourceRun:
             rt.metrics.source_connected(rt.inbox.name, self._name, up)
 
     def _counted(self, message: InboxMessage) -> InboxMessage:
-        seen = self._rt.failures.get(message.id, 0)
-        if seen >= message.attempt:
-            return dataclasses.replace(message, attempt=seen + 1)
+        """The attempt the inbox counts: the broker's, less database errors, at least this process's."""
+        rt = self._rt
+        attempt = max(message.attempt - rt.uncounted.get(message.id, 0), 1)
+        attempt = max(attempt, rt.failures.get(message.id, 0) + 1)
+        if attempt != message.attempt:
+            return dataclasses.replace(message, attempt=attempt)
         return message
 
     def _count(self, outcome: str, started: float | None = None) -> None:
@@ -169,7 +190,9 @@ class SourceRun:
         started = time.perf_counter()
         self._in_flight(1)
         try:
-            result: Processed = await rt.in_thread(traced, inbox.name, self._system, message, work)
+            result: Processed = await rt.in_thread(
+                traced, inbox.name, self._system, message, work, rt.tracer_provider
+            )
         except HandlerFailed as failed:
             rt.failed(message.id, message.attempt)
             rt.database_ok()
@@ -186,6 +209,7 @@ class SourceRun:
             )
             return None
         except Exception as error:  # the database, or the source's before_commit: nothing is stored
+            rt.not_counted(message.id)
             self._count("error", started)
             log.error(
                 "inbox %s: message %s from %s not processed: %s; it will come again",
@@ -198,7 +222,7 @@ class SourceRun:
             return None
         finally:
             self._in_flight(-1)
-        rt.failures.pop(message.id, None)
+        rt.forget(message.id)
         rt.database_ok()
         self._count(result.outcome, started)
         if ack is not None:

@@ -26,7 +26,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
 
-from outbox import ConfigurationError, Inbox, OutboxError, outbox_inbox
+from outbox import ConfigurationError, Inbox, OutboxError, Processed, enable_sqlite_savepoints, outbox_inbox
 from outbox._backoff import Backoff
 from outbox._first_line import first_line
 from outbox._inbox.sessions import Sessions
@@ -43,8 +43,10 @@ log = logging.getLogger("outbox.consumer")
 DEFAULT_CONCURRENCY = 8
 #: Longest pause before a failed source is started again.
 MAX_RESTART_DELAY = 30.0
-#: How often an idle consumer checks that its database still answers (for /readyz).
-KEEPALIVE_INTERVAL = 5.0
+#: How often the consumer takes up requeued dead letters (and so checks its database, for /readyz).
+HOUSEKEEPING_INTERVAL = 2.0
+#: The ``source`` label of requeued dead letters in the metrics.
+REQUEUED = "requeued"
 
 
 class ConsumerUnavailable(OutboxError):
@@ -109,6 +111,8 @@ class Consumer:
         self._engine: Engine | None = None
         if isinstance(database, str):
             self._engine = create_engine(database, pool_size=concurrency, max_overflow=2, pool_pre_ping=True)
+            # SQLite: concurrent consumers queue for the write lock instead of failing at once.
+            enable_sqlite_savepoints(self._engine, wal=False)
             made: sessionmaker[Any] = sessionmaker(self._engine)
             if inbox.outbox is not None:
                 inbox.outbox.install(made)
@@ -200,7 +204,7 @@ class Consumer:
             asyncio.create_task(self._supervise(rt, source), name=f"outbox-source-{source.name}")
             for source in self.sources
         ]
-        keepalive = asyncio.create_task(self._keepalive(rt), name="outbox-keepalive")
+        keepalive = asyncio.create_task(self._housekeeping(rt), name="outbox-housekeeping")
         stopping = asyncio.create_task(rt.stopping.wait())
         await asyncio.wait([stopping, *supervised], return_when=asyncio.FIRST_COMPLETED)
         rt.stopping.set()
@@ -255,13 +259,38 @@ class Consumer:
                 pass
             delay = min(delay * 2, MAX_RESTART_DELAY)
 
-    async def _keepalive(self, rt: Runtime) -> None:
-        """Keeps /readyz honest while no message comes: one trivial query every few seconds."""
+    async def _housekeeping(self, rt: Runtime) -> None:
+        """Takes up the dead letters an operator requeued, and keeps /readyz honest while no message comes.
+
+        Every couple of seconds: ``inbox.process_requeued`` (one query when
+        there is nothing to do, which is also the database check). A database
+        not migrated to the requeue functions, or a login not granted them, is
+        said once; the consumer goes on with a plain check instead.
+        """
+        requeue = True
         while True:
-            await asyncio.sleep(KEEPALIVE_INTERVAL)
+            await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             try:
-                await rt.in_thread(_probe, self.sessions)
+                if requeue:
+                    results = await rt.in_thread(self._requeued, rt)
+                    for result in results:
+                        self._count_requeued(result)
+                else:
+                    await rt.in_thread(_probe, self.sessions)
+            except ConfigurationError as exc:
+                requeue = False
+                log.warning(
+                    "requeued dead letters are not taken up: %s", exc, extra={"action": "requeue_off"}
+                )
             except SQLAlchemyError as exc:
                 log.warning("database check failed: %s", first_line(exc), extra={"action": "db_error"})
             else:
                 rt.database_ok()
+
+    def _requeued(self, rt: Runtime) -> list[Processed]:
+        return self.inbox.process_requeued(self.sessions)
+
+    def _count_requeued(self, result: Processed) -> None:
+        """Counted; the line for each is ``process_requeued``'s own."""
+        if self.metrics is not None:
+            self.metrics.messages.labels(self.inbox.name, REQUEUED, result.outcome).inc()

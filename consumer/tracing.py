@@ -5,9 +5,10 @@ A message from our publishers carries the emitting request's trace context
 so the span is its child (kind CONSUMER): the trace reads request → relay →
 broker → consumer. The span is current in the worker thread while the
 handlers run, so an ``emit()`` inside a handler stores this span's context and
-the chain goes on to the next consumer. Without an SDK the span records
-nothing but still carries the incoming context onward; without the
-``[otel]`` extra nothing here runs.
+the chain goes on to the next consumer. An ``Inbox(outbox=...)`` whose Outbox
+has a ``tracer_provider`` gets its spans from that provider, as the relay
+does. Without an SDK the span records nothing but still carries the incoming
+context onward; without the ``[otel]`` extra nothing here runs.
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ T = TypeVar("T")
 
 
 @contextmanager
-def _span(inbox: str, system: str, message: InboxMessage) -> Iterator[Any]:
+def _span(inbox: str, system: str, message: InboxMessage, provider: Any) -> Iterator[Any]:
     otel = api()
     if otel is None:
         yield None
         return
     parent = (extract(message.headers) if message.headers else None) or otel.Context()
-    tracer = otel.get_tracer(_INSTRUMENTATION, __version__)
+    tracer = (
+        provider.get_tracer(_INSTRUMENTATION, __version__)
+        if provider is not None
+        else otel.get_tracer(_INSTRUMENTATION, __version__)
+    )
     attributes: dict[str, Any] = {
         "messaging.system": system,
         "messaging.operation.type": "process",
@@ -62,9 +67,15 @@ def _span(inbox: str, system: str, message: InboxMessage) -> Iterator[Any]:
         span.end()
 
 
-def traced(inbox: str, system: str, message: InboxMessage, work: Callable[[], Processed]) -> Processed:
-    """Run ``work`` (the message's transaction, in a worker thread) inside the message's span."""
-    with _span(inbox, system, message) as span:
+def traced(
+    inbox: str, system: str, message: InboxMessage, work: Callable[[], Processed], provider: Any = None
+) -> Processed:
+    """Run ``work`` (the message's transaction, in a worker thread) inside the message's span.
+
+    ``provider`` is the inbox's Outbox's ``tracer_provider`` when it has one,
+    as for the relay's spans; else the global provider.
+    """
+    with _span(inbox, system, message, provider) as span:
         result = work()
         if span is not None:
             span.set_attribute("outbox.outcome", result.outcome)

@@ -1,18 +1,30 @@
-"""The NATS publisher's settings checked where the route is defined: servers, subjects, streams, options.
+"""NATS settings checked where they are written: servers, subjects, streams, options, their secrets.
 
-A bad setting fails when the publisher is built (``ConfigurationError``), not at
-the first message after a deploy; a server URL is never quoted, since it may
-carry a password.
+Shared by the publisher and the consumer. A bad setting fails when the
+publisher or consumer is built (``ConfigurationError``), not at the first
+message after a deploy; a server URL is never quoted, since it may carry a
+password.
 """
 
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from outbox import ConfigurationError
 
-__all__ = ["BAD_STREAM", "BAD_SUBJECT", "RESERVED_OPTIONS", "SECRET_OPTIONS", "STATIC", "check_servers"]
+__all__ = [
+    "BAD_STREAM",
+    "BAD_SUBJECT",
+    "RESERVED_OPTIONS",
+    "SECRET_OPTIONS",
+    "STATIC",
+    "check_servers",
+    "hosts",
+    "secrets",
+]
 
 SCHEMES = ("nats", "tls", "ws", "wss")
 RESERVED_OPTIONS = frozenset(
@@ -36,3 +48,20 @@ def check_servers(servers: object) -> list[str]:
                 "NATS servers must be URLs like nats://host:4222 (schemes: " + ", ".join(SCHEMES) + ")"
             )
     return [str(url) for url in listed]
+
+
+def hosts(servers: list[str]) -> str:
+    """``host:port,...``: how logs and names refer to the servers, never with a credential."""
+    return ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in servers)
+
+
+def secrets(servers: list[str], options: Mapping[str, Any]) -> list[str]:
+    """Passwords and tokens from the server URLs and the connect options: masked wherever written."""
+    found = []
+    for url in servers:
+        parts = urlsplit(url)
+        for value in (parts.password, parts.username if parts.password is None else None):
+            if value:  # a lone user part is a token (nats://token@host)
+                found += [value, unquote(value)]
+    found += [str(options[k]) for k in SECRET_OPTIONS if isinstance(options.get(k), str)]
+    return [s for s in found if s]

@@ -46,11 +46,10 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
-from outbox import ConfigurationError, InvalidInboxMessage
+from outbox import ConfigurationError, InvalidInboxMessage, SourceContext
 from outbox._first_line import first_line
 from outbox._inbox.checks import check_text
 from outbox._inbox.cloudevents import from_cloudevent
-from outbox._inbox.source import SourceContext
 
 from ._rabbitmq_config import check_url, positive, secrets, shown
 from ._rabbitmq_declare import QueueDeclaration, declare, short_string

@@ -59,7 +59,6 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
@@ -78,11 +77,12 @@ from ._broker_recovery import Probe, Recovery
 from ._envelope import Envelope, RoutingTemplate, envelope
 from ._nats_acks import AckInbox, read_ack
 from ._nats_answers import RECONNECT_WAIT, Answers, with_base
-from ._nats_config import BAD_STREAM, BAD_SUBJECT, RESERVED_OPTIONS, SECRET_OPTIONS, STATIC, check_servers
+from ._nats_config import BAD_STREAM, BAD_SUBJECT, RESERVED_OPTIONS, STATIC, check_servers, hosts, secrets
+from ._nats_consumer import NatsConsumer
 from ._nats_window import WindowCheck, check_window
 from ._per_loop import PerLoop
 
-__all__ = ["NatsPublisher"]
+__all__ = ["NatsConsumer", "NatsPublisher"]
 
 log = logging.getLogger("outbox.integrations.nats")
 
@@ -157,8 +157,8 @@ class NatsPublisher:
             raise ConfigurationError(f"connect_options may not set {', '.join(reserved)}: NatsPublisher does")
         self._options = options
         self._redactor = Redactor(self.outbox_secrets())
-        hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
-        self._recovery = Recovery(f"nats://{hosts}", f"NATS at {hosts}")
+        where = hosts(self.servers)
+        self._recovery = Recovery(f"nats://{where}", f"NATS at {where}")
         self._answers = Answers(self.publish_timeout, self.stream, self._text, self._recovery)
         self._links: PerLoop[_Link] = PerLoop(_Link)
         self._deferred: dict[str, WindowCheck] = {}  # window checks NATS was not reachable for at start
@@ -170,21 +170,13 @@ class NatsPublisher:
         return self._recovery.destination
 
     def __repr__(self) -> str:
-        hosts = ",".join(f"{urlsplit(u).hostname}:{urlsplit(u).port or 4222}" for u in self.servers)
-        return f"<NatsPublisher {hosts} subject={self.subject!r} stream={self.stream!r}>"
+        return f"<NatsPublisher {hosts(self.servers)} subject={self.subject!r} stream={self.stream!r}>"
 
     # -- relay hooks --------------------------------------------------------------------
 
     def outbox_secrets(self) -> list[str]:
         """Passwords and tokens from the server URLs and ``connect_options``: masked wherever written."""
-        found = []
-        for url in self.servers:
-            parts = urlsplit(url)
-            for value in (parts.password, parts.username if parts.password is None else None):
-                if value:  # a lone user part is a token (nats://token@host)
-                    found += [value, unquote(value)]
-        found += [str(self._options[k]) for k in SECRET_OPTIONS if isinstance(self._options.get(k), str)]
-        return [s for s in found if s]
+        return secrets(self.servers, self._options)
 
     async def outbox_start(self, route: Route, *, longest_retry_gap: float) -> None:
         """Compare the stream's duplicate window with the route's longest retry gap, once, at start."""

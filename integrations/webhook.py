@@ -73,14 +73,19 @@ from ._webhook_http import (
     post,
 )
 from ._webhook_http import retry_after as retry_after  # importable from here, as before
+from ._webhook_receive import WebhookReceipt, WebhookReceiver, areceive, receive
 
 if TYPE_CHECKING:
     from outbox._breaker_board import BreakerBoard
 
 __all__ = [
     "WebhookHandler",
+    "WebhookReceipt",
+    "WebhookReceiver",
     "WebhookVerificationError",
+    "areceive",
     "generate_secret",
+    "receive",
     "verify",
     "webhook_id",
 ]

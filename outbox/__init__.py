@@ -27,6 +27,7 @@ from ._exceptions import (
 from ._inbox.handlers import InboxHandler
 from ._inbox.inbox import Inbox
 from ._inbox.message import InboxMessage, Processed
+from ._inbox.source import InboxSource, SourceContext
 from ._json import json_default
 from ._message import Handler, Message
 from ._migrations import VERSION_TABLE, downgrade, include_name, include_object, upgrade
@@ -69,6 +70,7 @@ __all__ = [
     "InboxError",
     "InboxHandler",
     "InboxMessage",
+    "InboxSource",
     "InvalidEmitOption",
     "InvalidInboxMessage",
     "Message",
@@ -81,6 +83,7 @@ __all__ = [
     "PayloadError",
     "PermanentError",
     "Processed",
+    "SourceContext",
     "RetryLater",
     "Route",
     "UnroutedEvent",

@@ -401,6 +401,9 @@ outbox_inbox_offset = Table(
 #: came too late: ``error_type`` says which). Written together with the message's marker (outcome
 #: ``dead``), so redeliveries of it are duplicates, and before the source is acknowledged.
 #: ``attempts`` is how many times a handler ran it (0: never). One row per consumer and message id.
+#: An operator requeues it (``requeued``: ``requeued_at``, ``actor``, ``reason``, ``db_user``), and its
+#: consumer then marks it ``handled`` (``handled_at``) or ``dead`` again (the new error, one more
+#: attempt, a new ``dead_at``); its marker keeps saying ``dead`` (markers are never changed).
 outbox_inbox_dead = Table(
     "outbox_inbox_dead",
     metadata,
@@ -421,6 +424,8 @@ outbox_inbox_dead = Table(
     Column("actor", String(255)),
     Column("reason", Text),
     Column("handled_at", UTCDateTime),
+    # The login that requeued it (PostgreSQL, written by the database; migration outbox_0022).
+    Column("db_user", String(255)),
     CheckConstraint(_one_of("status", INBOX_DEAD_STATUSES), name="status"),
     CheckConstraint("attempts >= 0", name="attempts"),
     # Also the consumer's index: dead letters are few, and every query names the consumer.

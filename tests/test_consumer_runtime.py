@@ -41,8 +41,8 @@ class QueueSource:
         self.finished = asyncio.Event()
         self.starts = 0
 
-    def publish(self, message_id: str | None, event_type: str | None, body: bytes) -> None:
-        headers = {}
+    def publish(self, message_id: str | None, event_type: str | None, body: bytes, **extra: str) -> None:
+        headers = dict(extra)
         if message_id is not None:
             headers["ce-id"] = message_id
         if event_type is not None:
@@ -251,3 +251,129 @@ def test_a_url_gets_the_inbox_outbox_installed_so_handlers_emit(database_url: st
             assert conn.scalar(select(func.count()).select_from(outbox.outbox_message)) == 1
     finally:
         engine.dispose()
+
+
+def test_the_message_span_continues_the_producer_trace_and_handlers_emits_carry_it(database_url: str) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    ob = outbox.Outbox(tracer_provider=provider)
+    ob.route("shipment.created", lambda message: None, name="notify")
+    inbox = Inbox("traced", outbox=ob)
+
+    @inbox.handler("order.paid", name="ship")
+    def ship(session: Session, message: InboxMessage) -> None:
+        outbox.emit(session, "shipment.created", {"order": message.id})
+
+    producer_trace, producer_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    source = QueueSource("rabbitmq:orders")
+    source.publish("m-1", "order.paid", b"{}", traceparent=f"00-{producer_trace}-{producer_span}-01")
+    inbox.consume(source)
+    try:
+        _run(Consumer(inbox, database_url), lambda: source.acked == ["m-1"])
+    finally:
+        provider.shutdown()
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "process order.paid"]
+    assert span.kind == SpanKind.CONSUMER
+    assert format(span.context.trace_id, "032x") == producer_trace
+    assert span.parent is not None and format(span.parent.span_id, "016x") == producer_span
+    assert span.attributes["messaging.system"] == "rabbitmq"
+    assert span.attributes["messaging.message.id"] == "m-1"
+    assert span.attributes["outbox.outcome"] == "handled"
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            headers = conn.scalar(select(outbox.outbox_message.c.headers))
+    finally:
+        engine.dispose()
+    trace_id, parent_id = headers["traceparent"].split("-")[1:3]
+    assert trace_id == producer_trace and parent_id == format(span.context.span_id, "016x")
+
+
+def test_a_running_consumer_takes_up_a_dead_letter_an_operator_requeued(db) -> None:
+    from outbox import ops
+
+    engine, sessions = db
+    inbox = Inbox("runtime", max_failures=1)
+    fixed = threading.Event()
+    applied: list[int] = []
+
+    @inbox.handler("order.paid", name="flaky")
+    def flaky(session: Session, message: InboxMessage) -> None:
+        if not fixed.is_set():
+            raise RuntimeError("the bug")
+        applied.append(message.attempt)
+
+    source = QueueSource()
+    source.publish("m-1", "order.paid", b"{}")
+    inbox.consume(source)
+
+    def requeued_and_handled() -> bool:
+        if source.acked != ["m-1"]:
+            return False
+        (dead,) = ops.inbox_dead_letters(engine, consumer="runtime", status=None)
+        if dead.status == "dead":
+            fixed.set()  # the fix is deployed; the operator requeues
+            ops.requeue_inbox_dead_letter(engine, dead.id, actor="ops", reason="bug fixed")
+        return dead.status == "handled"
+
+    _run(Consumer(inbox, sessions), requeued_and_handled, timeout=60)
+    assert applied == [2]
+    assert _markers(engine) == {"m-1": "dead"}  # the marker keeps what the delivery came to
+
+
+def test_an_outage_of_the_consumers_database_uses_up_no_attempts(pg_url: str) -> None:
+    """Deliveries that met a database error are taken off the broker's count before max_failures."""
+    from sqlalchemy.engine import make_url
+    from tcpforward import Forwarder
+
+    real = make_url(pg_url)
+    with Forwarder(real.port or 5432) as forwarder:
+        engine = create_engine(real.set(port=forwarder.port), pool_pre_ping=True)
+        inbox = Inbox("runtime", max_failures=2)
+        seen: list[int] = []
+
+        @inbox.handler("order.paid", name="fails_once")
+        def fails_once(session: Session, message: InboxMessage) -> None:
+            seen.append(message.attempt)
+            if len(seen) == 1:
+                raise RuntimeError("a bug that goes away")
+
+        source = QueueSource()
+        source.publish("m-1", "order.paid", b"{}")
+        cut_deliveries: list[int] = []
+        inner = source.consume
+
+        async def consume(context: SourceContext) -> None:
+            forwarder.cut()  # the database goes away as the first message arrives
+
+            class Watching:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(context, name)
+
+                async def take(self, message: InboxMessage, **kwargs: Any) -> Any:
+                    result = await context.take(message, **kwargs)
+                    if result is None and not seen:
+                        cut_deliveries.append(message.attempt)
+                        if len(cut_deliveries) == 3:
+                            forwarder.restore()
+                    return result
+
+            await inner(Watching())  # type: ignore[arg-type]
+
+        source.consume = consume  # type: ignore[method-assign]
+        inbox.consume(source)
+        consumer = Consumer(inbox, sessionmaker(engine), retry_backoff=Backoff(base=0.01, cap=0.01))
+        try:
+            _run(consumer, lambda: source.acked == ["m-1"], timeout=60)
+        finally:
+            engine.dispose()
+    assert cut_deliveries == [1, 2, 3]  # the broker's counts while the database was away
+    assert seen == [1, 2]  # its 4th and 5th deliveries: the outage counted for nothing
+    with create_engine(pg_url).connect() as conn:
+        assert conn.execute(select(outbox_inbox.c.outcome)).scalar_one() == "handled"

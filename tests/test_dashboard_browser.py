@@ -2,8 +2,9 @@
 
 What a person sees and does: live counts over server-sent events, the filter
 form and its bookmark, a dead message's timeline, a bulk requeue with its
-confirmation, pause and resume, hostile text that stays text, a cross-site
-form that is refused. Every page is also checked for console errors, where a
+confirmation, pause and resume, an inbox dead letter requeued and then
+handled by its consumer, hostile text that stays text, a cross-site form that
+is refused. Every page is also checked for console errors, where a
 Content-Security-Policy violation (an inline script or style that slipped in)
 would show.
 
@@ -37,7 +38,7 @@ from sqlalchemy.orm import Session
 from test_dashboard_serve import Served
 from test_ops_cli import Seeded, history_of, statuses
 
-from outbox import PermanentError, emit, ops
+from outbox import Inbox, InboxMessage, PermanentError, emit, ops
 from outbox.integrations.report import ReportJob
 from outbox.relay import Relay
 
@@ -274,6 +275,67 @@ def test_requeue_from_dead_letters_then_the_copy_delivers(page, dashboard, seede
     assert console == []
 
 
+def inbox_dead_letters(seeded: Seeded) -> tuple[Inbox, dict[str, bool], int]:
+    """Two consumers' dead letters, made by real inboxes; billing's handler works once ``fixed``."""
+    billing = Inbox("billing")
+    state = {"fixed": False}
+
+    @billing.handler("order.paid", name="bill")
+    def bill(session: Session, message: InboxMessage) -> None:
+        if not state["fixed"]:
+            raise PermanentError(f"customer of order {message.payload['order']} unknown")
+
+    paid = InboxMessage(
+        "evt-7", "order.paid", {"order": 7, "card_token": "tok_live_1"}, source="rabbitmq:orders"
+    )
+    result = billing.process(seeded.engine, paid)
+    assert result.dead_letter_id is not None
+    shipping = Inbox("shipping")
+    assert (
+        shipping.process(seeded.engine, InboxMessage("evt-9", "parcel.lost", {"parcel": 9})).outcome == "dead"
+    )
+    return billing, state, result.dead_letter_id
+
+
+def test_requeue_an_inbox_dead_letter_then_its_consumer_handles_it(page, dashboard, seeded, console):
+    billing, state, dead_id = inbox_dead_letters(seeded)
+    dash = dashboard(allow_actions=True)
+    page.goto(dash.url("/"))
+    page.get_by_role("link", name="Inbox", exact=True).click()
+    rows = page.locator("table.inbox tbody tr")
+    expect(rows).to_have_count(2)
+    page.get_by_label("Consumer").fill("billing")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_url("**/inbox?consumer=billing*")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_contain_text("customer of order 7 unknown")
+    expect(rows.first.locator("[data-payload-preview]")).not_to_contain_text("tok_live_1")
+
+    page.get_by_role("link", name=f"#{dead_id}", exact=True).click()
+    expect(page.locator("h1")).to_have_text(f"Dead letter #{dead_id} dead")
+    payload = page.locator("pre[data-payload]")
+    expect(payload).to_contain_text('"order": 7')
+    expect(payload).not_to_contain_text("tok_live_1")  # masked, as `outbox inbox dead --json` masks it
+    page.get_by_label("Reason").fill("customer 7 imported")
+    page.get_by_role("button", name="Requeue").click()
+
+    expect(page.locator("h1")).to_have_text(f"Dead letter #{dead_id} requeued")
+    expect(page.locator("[data-requeued]")).to_contain_text("by dashboard")
+    expect(page.locator("[data-requeued]")).to_contain_text("customer 7 imported")
+    expect(page.locator("[data-waiting]")).to_be_visible()
+    expect(page.get_by_role("button", name="Requeue")).to_have_count(0)
+    [letter] = ops.inbox_dead_letters(seeded.engine, status="requeued")
+    assert (letter.id, letter.actor, letter.reason) == (dead_id, "dashboard", "customer 7 imported")
+
+    state["fixed"] = True
+    assert [r.outcome for r in billing.process_requeued(seeded.engine)] == ["handled"]
+    page.reload()
+    expect(page.locator("h1")).to_have_text(f"Dead letter #{dead_id} handled")
+    page.goto(dash.url("/inbox?status=handled"))
+    expect(rows).to_have_count(1)
+    assert console == []
+
+
 def test_pause_and_resume_a_queue(page, dashboard, seeded, console):
     dash = dashboard(allow_actions=True)
     page.goto(dash.url("/queues"))
@@ -498,6 +560,11 @@ def test_screenshots_of_every_page(page, dashboard, seeded, console, tmp_path):
     expect(page.locator("#report-runs tbody tr")).to_have_count(2)
     expect(page.locator("#report-runs")).to_contain_text("failed")
     shoot(page, tmp_path, "reports")
+
+    inbox_dead_letters(seeded)
+    page.goto(dash.url("/inbox"))
+    expect(page.locator("table.inbox tbody tr")).to_have_count(2)
+    shoot(page, tmp_path, "inbox")
     assert console == []
 
 

@@ -71,12 +71,17 @@ def test_markers_and_dead_letters_refuse_changes_outside_the_purge(engine):
         ("UPDATE outbox_inbox SET outcome = 'handled'", "never changed|UPDATE is not allowed"),
         ("DELETE FROM outbox_inbox", "kept until kept_until|outbox_purge_in_progress"),
         ("DELETE FROM outbox_inbox_dead", "is a record"),
+        # Even the tables' owner (these tests) may only move a status the way a requeue does
+        # (outbox_0022), and never change the message itself.
+        ("UPDATE outbox_inbox_dead SET status = 'handled'", "may only requeue a dead letter"),
+        ("UPDATE outbox_inbox_dead SET event_type = 'order.refunded'", "never change its message"),
+        ("UPDATE outbox_inbox_dead SET status = 'requeued'", None),  # what the requeue functions do
+        ("UPDATE outbox_inbox_dead SET status = 'requeued', payload = '{}'", "never change its message"),
     ]
     if engine.dialect.name == "postgresql":  # the tables' owner (these tests) is refused as well
         refusals += [
             ("TRUNCATE outbox_inbox", "TRUNCATE is not allowed"),
             ("TRUNCATE outbox_inbox_dead", "TRUNCATE is not allowed"),
-            ("UPDATE outbox_inbox_dead SET status = 'handled'", None),  # the owner may: requeue functions
         ]
     for statement, why in refusals:
         if why is None:

@@ -16,7 +16,7 @@ import pytest
 from aging import age_markers
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
-from test_ops_cli import ok_json, run
+from test_ops_cli import ok, ok_json, run
 from test_roles import Roles, guide_roles, refused
 
 import outbox
@@ -107,3 +107,69 @@ def test_the_consumer_takes_messages_in_and_the_operator_purges_their_markers(ro
         assert set(conn.execute(select(i.c.message_id)).scalars()) == {"m2", "m3"}
         record = conn.execute(select(runs)).one()
     assert (record.markers_deleted, record.db_user) == (1, roles.names["outbox_operator"])
+
+
+def test_the_operator_requeues_and_the_consumer_takes_up_and_neither_can_do_the_others_part(roles, pg_engine):
+    consumer_login, operator_login = roles.names["outbox_consumer"], roles.names["outbox_operator"]
+    with pg_engine.begin() as conn:
+        ledger.create(conn)
+        conn.exec_driver_sql(f"GRANT SELECT, INSERT ON ledger TO {consumer_login}")
+        conn.exec_driver_sql(f"GRANT USAGE ON SEQUENCE ledger_id_seq TO {consumer_login}")
+    consumer, operator = roles.engine("outbox_consumer"), roles.engine("outbox_operator")
+    inbox = Inbox("billing")
+    ledger_open = False
+
+    @inbox.handler("order.paid", name="book")
+    def book(session: Session, message: InboxMessage) -> None:
+        session.execute(insert(ledger).values(order_id=message.payload["order"]))
+        if not ledger_open:
+            raise PermanentError("ledger closed")
+
+    assert inbox.process(consumer, InboxMessage("m1", "order.paid", {"order": "7"})).outcome == "dead"
+    with pg_engine.connect() as conn:
+        dead_id = conn.execute(select(dead.c.id)).scalar_one()
+
+    # The consumer takes up what an operator requeued; it cannot requeue, nor write a status itself.
+    for statement in (
+        f"SELECT outbox_inbox_requeue(ARRAY[{dead_id}]::bigint[], 'me', 'why not', true)",
+        f"UPDATE outbox_inbox_dead SET status = 'requeued' WHERE id = {dead_id}",
+        "SELECT payload FROM outbox_inbox_dead",
+    ):
+        refused(consumer, statement)
+    # The operator requeues; it cannot take a dead letter up, put one back, read one as a consumer
+    # does, nor write a status itself.
+    for statement in (
+        f"SELECT outbox_inbox_take('billing', {dead_id})",
+        f"SELECT outbox_inbox_dead_again('billing', {dead_id}, 'E', 'e', true)",
+        "SELECT * FROM outbox_inbox_requeued('billing', 10)",
+        f"UPDATE outbox_inbox_dead SET status = 'requeued' WHERE id = {dead_id}",
+        f"UPDATE outbox_inbox_dead SET status = 'handled' WHERE id = {dead_id}",
+    ):
+        refused(operator, statement)
+
+    said = ok(
+        run(
+            "inbox",
+            "requeue",
+            str(dead_id),
+            "--reason",
+            "ledger reopens",
+            "--actor",
+            "ana",
+            database_url=roles.urls["outbox_operator"],
+        )
+    )
+    assert said.startswith(f"requeued 1 dead letter(s): {dead_id};")
+    [again] = inbox.process_requeued(consumer)
+    assert (again.outcome, str(again.error)) == ("dead", "ledger closed")  # put back over its own login
+
+    ops.requeue_inbox_dead_letter(operator, dead_id, actor="ana", reason="now it is open")
+    ledger_open = True
+    [taken] = inbox.process_requeued(consumer)
+    assert taken.outcome == "handled"
+    with pg_engine.connect() as conn:
+        row = conn.execute(select(dead)).one()
+        assert conn.execute(select(ledger.c.order_id)).scalars().all() == ["7"]
+    assert (row.status, row.attempts, row.actor, row.reason) == ("handled", 2, "ana", "now it is open")
+    assert row.db_user == operator_login  # the login, written by the database beside the actor's label
+    refused(operator, f"UPDATE outbox_inbox_dead SET status = 'dead' WHERE id = {dead_id}")

@@ -11,6 +11,9 @@ Read it in the order a message travels:
 - ``process``: one message end to end (marker, handlers, commit, acknowledgement),
   sync and async, and what a failure becomes;
 - ``dead``: dead letters, written with the message's marker;
+- ``requeued``: a dead letter an operator requeued, as its consumer reads, takes
+  and puts back;
+- ``requeue``: ``process_requeued``, each requeued dead letter's second try;
 - ``offsets``: a partitioned log's positions, stored with the effects;
 - ``inbox``: the :class:`~outbox.Inbox` that holds the settings and joins these.
 """

@@ -28,7 +28,7 @@ from .settings import InboxSettings
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-__all__ = ["bury", "bury_async", "error_name"]
+__all__ = ["bury", "bury_async", "error_name", "error_text"]
 
 _ERROR_LIMIT = 2000
 _NAME_LIMIT = 255
@@ -51,6 +51,11 @@ def error_name(error: BaseException) -> str:
     module = "outbox" if kind.__module__.startswith("outbox._") else kind.__module__
     name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
     return name[:_NAME_LIMIT]
+
+
+def error_text(error: BaseException) -> str:
+    """The error as a dead letter stores it: its first line, at most 2,000 characters, no NUL."""
+    return first_line(error)[:_ERROR_LIMIT].replace("\x00", "\\x00")
 
 
 def _storable(value: Any) -> Any:
@@ -77,7 +82,7 @@ def _row(
         "sent_at": message.sent_at,
         "attempts": attempts,
         "error_type": error_name(error),
-        "error": first_line(error)[:_ERROR_LIMIT].replace("\x00", "\\x00"),
+        "error": error_text(error),
     }
     if dialect != "postgresql":
         row["dead_at"] = datetime.now(UTC)

@@ -17,6 +17,7 @@ from .handlers import InboxHandler
 from .markers import mark, mark_async
 from .message import InboxMessage, Processed
 from .process import process, process_async
+from .requeue import process_requeued, process_requeued_async
 from .sessions import AsyncSessions, Sessions
 from .settings import DEFAULT_KEEP, DEFAULT_MAX_FAILURES, InboxSettings, Unhandled
 from .source import InboxSource
@@ -255,6 +256,23 @@ class Inbox:
     ) -> int | None:
         """:meth:`dead_letter` with an ``AsyncSession`` (or ``AsyncConnection``)."""
         return await bury_async(self._settings, session, check_message(message), error, attempts)
+
+    def process_requeued(self, sessions: Sessions, *, limit: int = 100) -> list[Processed]:
+        """Take up the dead letters an operator requeued, oldest first (at most ``limit``); each outcome.
+
+        Each runs its matching handlers in one transaction that also marks it
+        ``handled`` (only if it is still requeued: of several processes, one
+        takes it), with ``attempt`` one more than its dead letter's
+        ``attempts``. Handlers that fail, or none matching, make it ``dead``
+        again with the new error: it is tried once per requeue. Outcomes are
+        ``handled``, ``dead``, or ``duplicate`` (another process has it);
+        ``dead_letter_id`` names the dead letter. Its marker stays ``dead``.
+        """
+        return process_requeued(self._settings, sessions, limit=limit)
+
+    async def aprocess_requeued(self, sessions: AsyncSessions, *, limit: int = 100) -> list[Processed]:
+        """:meth:`process_requeued` with an ``async_sessionmaker`` or an ``AsyncEngine``."""
+        return await process_requeued_async(self._settings, sessions, limit=limit)
 
     # -- positions in a partitioned log -----------------------------------------------------------
 

@@ -55,6 +55,10 @@ class Processed:
       ``error`` says which.
 
     ``handlers`` names the handlers that ran (or, for ``dead``, would have).
+
+    :meth:`Inbox.process_requeued` answers one per requeued dead letter, its
+    ``dead_letter_id`` set for every outcome: ``handled``, ``dead`` (again),
+    or ``duplicate`` (another process took it, or holds it now).
     """
 
     message_id: str

@@ -43,7 +43,7 @@ from .settings import InboxSettings
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
-__all__ = ["process", "process_async"]
+__all__ = ["Stage", "log", "process", "process_async"]
 
 log = logging.getLogger("outbox.inbox")
 
@@ -51,7 +51,7 @@ Ack: TypeAlias = Callable[[], object]
 BeforeCommit: TypeAlias = Callable[[Session], object]
 
 
-class _Stage:
+class Stage:
     """Where a failure came from: a handler (by name), flushing their changes, or neither."""
 
     __slots__ = ("handler", "running")
@@ -160,7 +160,7 @@ def process(
     if refused is not None:
         result = _bury(inbox, bind, message, refused, 0, names, before_commit)
         return _acked(_finished(inbox, message, result), ack)
-    stage = _Stage()
+    stage = Stage()
     try:
         with open_session(bind) as session, session.begin():
             first = mark(
@@ -235,7 +235,7 @@ async def process_async(
     if refused is not None:
         result = await _bury_async(inbox, bind, message, refused, 0, names, before_commit)
         return await _acked_async(_finished(inbox, message, result), ack)
-    stage = _Stage()
+    stage = Stage()
     try:
         async with open_async_session(bind) as session, session.begin():
             first = await mark_async(

@@ -62,7 +62,8 @@ async def async_connection_of(
     )
 
 
-def open_session(sessions: Sessions) -> Session:
+def open_session(sessions: Sessions, what: str = "process") -> Session:
+    """A new Session from ``sessions``; ``what`` names the inbox's call in a refusal."""
     if isinstance(sessions, Engine):
         return Session(sessions)
     if callable(sessions):
@@ -70,13 +71,13 @@ def open_session(sessions: Sessions) -> Session:
         if isinstance(made, Session):
             return made
         raise TypeError(
-            f"inbox.process() needs Sessions, and its session factory made a {type(made).__name__}; "
-            "with AsyncSessions use await inbox.aprocess(...)"
+            f"inbox.{what}() needs Sessions, and its session factory made a {type(made).__name__}; "
+            f"with AsyncSessions use await inbox.a{what}(...)"
         )
-    raise TypeError(f"inbox.process() takes a sessionmaker or an Engine, got {type(sessions).__name__}")
+    raise TypeError(f"inbox.{what}() takes a sessionmaker or an Engine, got {type(sessions).__name__}")
 
 
-def open_async_session(sessions: AsyncSessions) -> AsyncSession:
+def open_async_session(sessions: AsyncSessions, what: str = "process") -> AsyncSession:
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
     if isinstance(sessions, AsyncEngine):
@@ -86,9 +87,9 @@ def open_async_session(sessions: AsyncSessions) -> AsyncSession:
         if isinstance(made, AsyncSession):
             return made
         raise TypeError(
-            f"inbox.aprocess() needs AsyncSessions, and its session factory made a {type(made).__name__}; "
-            "with Sessions use inbox.process(...)"
+            f"inbox.a{what}() needs AsyncSessions, and its session factory made a {type(made).__name__}; "
+            f"with Sessions use inbox.{what}(...)"
         )
     raise TypeError(
-        f"inbox.aprocess() takes an async_sessionmaker or an AsyncEngine, got {type(sessions).__name__}"
+        f"inbox.a{what}() takes an async_sessionmaker or an AsyncEngine, got {type(sessions).__name__}"
     )

@@ -25,6 +25,12 @@ with a warning on stderr.
 ``breaker reset`` of a destination whose breaker is not open exits 1, naming
 those that are, as ``resume`` does.
 
+``inbox requeue`` takes dead letter ids (all or none: an unknown id, or one
+whose status is not ``dead``, exits 1 and requeues nothing) or ``--consumer``
+(every dead one of that inbox, asked first as a filter is; none is exit 0);
+neither is refused (exit 1, as ``requeue`` without ids or a filter), both is
+bad usage (exit 2).
+
 ``--actor`` defaults to the login name; when the system cannot name the user
 (a container running as a uid with no passwd entry), to ``uid:<number>``.
 """
@@ -43,7 +49,7 @@ from .._exceptions import ConfigurationError
 from .._first_line import first_line
 from .._migrations import missing_outbox_table, upgrade
 from .._urls import sync_engine
-from ._args import PROG, Failed, build_parser, check_list_args, database_url_from
+from ._args import PROG, Failed, build_parser, check_inbox_args, check_list_args, database_url_from
 from ._commands import COMMANDS
 from ._dashboard import check_dashboard_args
 
@@ -55,12 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "list":
         check_list_args(args)
+    check_inbox_args(args)
     url = database_url_from(parser, args.database_url)
     if args.command == "dashboard":
         check_dashboard_args(parser, args)
     shown = make_url(url).render_as_string(hide_password=True)
     # What errors are prefixed with: the subcommand, and its verb where it has one (`breaker reset`).
-    said = " ".join(filter(None, (args.command, getattr(args, "breaker_command", None))))
+    verb = getattr(args, "breaker_command", None) or getattr(args, "inbox_command", None)
+    said = " ".join(filter(None, (args.command, verb)))
     if args.command == "migrate":
         try:
             applied = upgrade(url, args.revision)

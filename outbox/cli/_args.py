@@ -15,7 +15,7 @@ from .. import ops
 from .._argparse import OneLineParser, shown
 from .._exceptions import ConfigurationError
 from .._migrations import BRANCH
-from .._tables import ATTEMPT_OUTCOMES
+from .._tables import ATTEMPT_OUTCOMES, INBOX_DEAD_STATUSES
 from .._urls import check_url
 from .._write.payload import text_problem
 from ..ops._base import MAX_ID, utc_time
@@ -100,6 +100,13 @@ def _message_id(value: str) -> int:
     number = _whole(value, "message ids are integers")
     if number < 1:
         raise argparse.ArgumentTypeError(f"message ids are positive, got {value!r}")
+    return number
+
+
+def _dead_letter_id(value: str) -> int:
+    number = _whole(value, "dead letter ids are integers (the id column of `outbox inbox dead`)")
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"dead letter ids are positive, got {value!r}")
     return number
 
 
@@ -314,9 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_database(dead)
     dead.add_argument("--consumer", type=_text, help="one inbox's name (default: every consumer)")
     dead.add_argument(
+        "--status",
+        choices=(*INBOX_DEAD_STATUSES, "any"),
+        default="dead",
+        help="dead (default: waiting for a decision), requeued (waiting for the consumer), handled, any",
+    )
+    dead.add_argument(
         "--limit", type=_limit, default=50, help="at most this many (default: 50, at most 1000)"
     )
     dead.add_argument("--json", action="store_true", help="with payload and headers")
+    requeue = inbox_verbs.add_parser(
+        "requeue",
+        help="hand dead letters back to their consumer, which runs its handlers on them once more",
+        description="Requeue inbox dead letters (status dead -> requeued), recorded with actor and reason;"
+        " the consumer's next Inbox.process_requeued takes them up.",
+    )
+    _add_database(requeue)
+    requeue.add_argument("ids", nargs="*", type=_dead_letter_id, metavar="ID", help="dead letter ids")
+    requeue.add_argument("--consumer", type=_text, help="instead of ids: every dead one of this inbox")
+    requeue.add_argument("--reason", type=_text, required=True, help="why: recorded on each dead letter")
+    requeue.add_argument("--actor", type=_text, default=None, help="who (default: the login name)")
+    requeue.add_argument(
+        "--yes", action="store_true", help="requeue a consumer's dead letters without asking"
+    )
+    requeue.add_argument("--json", action="store_true")
+    requeue.set_defaults(command_parser=requeue)  # check_inbox_args: its usage errors name the verb
 
     purge = commands.add_parser(
         "purge", help="retention: delete old finished messages, old history and expired inbox markers"
@@ -347,6 +376,12 @@ def check_list_args(args: argparse.Namespace) -> None:
         args.command_parser.error(
             f"--needs-decision lists dead messages only; it cannot be combined with --status {args.status}"
         )
+
+
+def check_inbox_args(args: argparse.Namespace) -> None:
+    """``inbox requeue`` acts on named ids or on one consumer's dead letters: both at once contradict."""
+    if getattr(args, "inbox_command", None) == "requeue" and args.ids and args.consumer is not None:
+        args.command_parser.error("give dead letter ids or --consumer, not both")
 
 
 def database_url_from(parser: argparse.ArgumentParser, value: str | None) -> str:

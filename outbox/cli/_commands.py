@@ -7,7 +7,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.engine import Engine, make_url
@@ -15,24 +15,14 @@ from sqlalchemy.engine import Engine, make_url
 from .. import ops
 from ._args import PROG, Failed, login_name, message_filter
 from ._dashboard import run_dashboard
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str, sort_keys=True))
-
-
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
-    cells = [[("" if v is None else str(v)).replace("\n", " ")[:60] for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+from ._inbox import cmd_inbox
+from ._output import confirmed, flat, print_json, table, when
 
 
 def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
     result = ops.stats(engine)
     if args.json:
-        _print_json(result.as_dict())
+        print_json(result.as_dict())
         return 0
     print(
         "messages by status: "
@@ -43,7 +33,7 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
         for handler, counts in sorted(result.by_handler_status.items())
     ]
     if rows:
-        _table(rows, ["handler", "pending", "running", "delivered", "dead", "discarded"])
+        table(rows, ["handler", "pending", "running", "delivered", "dead", "discarded"])
     for queue, age in sorted(result.oldest_pending_age_s.items()):
         print(f"oldest due message in queue {queue}: {age:.1f}s")
     # Counted from created_at: a message stuck in retries shows here, not above.
@@ -57,26 +47,17 @@ def _cmd_stats(engine: Engine, args: argparse.Namespace) -> int:
     print(f"dead: {result.dead} needing a decision, {result.dead_requeued} requeued")
     for held in result.paused:
         print(
-            f"paused: {held.kind} {held.name} since {_when(held.paused_at)} by {held.actor}"
-            f" ({_flat(held.reason)}), holding back {held.held_back} pending"
+            f"paused: {held.kind} {held.name} since {when(held.paused_at)} by {held.actor}"
+            f" ({flat(held.reason)}), holding back {held.held_back} pending"
         )
     for breaker in result.breakers:
         print(
             f"circuit breaker {breaker.state}: {breaker.destination} (route {breaker.route})"
-            f" since {_when(breaker.since)}, {breaker.failures} failures, reopens {_when(breaker.reopen_at)}"
+            f" since {when(breaker.since)}, {breaker.failures} failures, reopens {when(breaker.reopen_at)}"
         )
     for destination, count in sorted(result.parked.items()):
         print(f"parked: {count} pending waiting for {destination} to recover")
     return 0
-
-
-def _when(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _flat(text: str) -> str:
-    """Free text on one line of output."""
-    return " ".join(text.split())
 
 
 def _status_of(status: str, requeued_to: int | None) -> str:
@@ -94,9 +75,9 @@ def _error_of(status: str, last_error: str | None) -> str | None:
 def _cmd_list(engine: Engine, args: argparse.Namespace) -> int:
     rows = ops.list_messages(engine, message_filter(args), limit=args.limit, before_id=args.before_id)
     if args.json:
-        _print_json([dict(r._mapping) for r in rows])
+        print_json([dict(r._mapping) for r in rows])
         return 0
-    _table(
+    table(
         [
             [
                 r.id,
@@ -119,7 +100,7 @@ def _cmd_list(engine: Engine, args: argparse.Namespace) -> int:
 def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     found = ops.show(engine, args.id)
     if args.json:
-        _print_json(
+        print_json(
             {
                 "message": found.message,
                 "attempts": found.attempts,
@@ -129,7 +110,7 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
         return 0
     message = {**found.message, "last_error": _error_of(found.message["status"], found.message["last_error"])}
     if message.get("parked_on") and message["status"] == "pending":
-        latest = _when(message["available_at"])
+        latest = when(message["available_at"])
         print(f"waiting for {message['parked_on']} to recover (due at {latest} at the latest)")
     for key, value in message.items():
         print(f"{key:>15}: {json.dumps(value, default=str) if isinstance(value, dict | list) else value}")
@@ -159,7 +140,7 @@ def _cmd_show(engine: Engine, args: argparse.Namespace) -> int:
             ]
         )
     rows += [row for _, row in events]
-    _table(rows, ["attempt", "outcome", "started_at", "ms", "by", "error/reason", "detail"])
+    table(rows, ["attempt", "outcome", "started_at", "ms", "by", "error/reason", "detail"])
     for title, document in details:
         print(f"\ndetail of {title}:\n{document}")
     return 0
@@ -194,32 +175,28 @@ def _pause_events(spans: Sequence[ops.PauseSpan]) -> list[tuple[datetime, list[A
 def _confirm(count: int, verb: str, args: argparse.Namespace) -> bool:
     if args.ids or args.yes:
         return True
-    if not sys.stdin.isatty():
-        raise Failed(f"{verb} by filter would touch {count} message(s); pass --yes to confirm")
-    try:
-        answer = input(f"{verb} {count} message(s)? [y/N] ")
-    except EOFError:  # Ctrl-D: no answer is no
-        print()
-        return False
-    return answer.strip().lower() in ("y", "yes")
+    return confirmed(
+        f"{verb} {count} message(s)?",
+        f"{verb} by filter would touch {count} message(s); pass --yes to confirm",
+    )
 
 
 def _print_acted(args: argparse.Namespace, done: Sequence[Any]) -> None:
     if args.command == "retry-now":
         if args.json:
-            _print_json({"retried_now": list(done)})
+            print_json({"retried_now": list(done)})
         else:
             print(f"{len(done)} message(s) due now" + (f": {', '.join(map(str, done))}" if done else ""))
     elif args.command in ("requeue", "resend"):
         if args.json:
-            _print_json([{"old_id": old, "new_id": new} for old, new in done])
+            print_json([{"old_id": old, "new_id": new} for old, new in done])
             return
         did = "requeued" if args.command == "requeue" else "resent"
         for old, new in done:
             print(f"{did} {old} as {new}")
         print(f"{len(done)} message(s) {did}")
     elif args.json:
-        _print_json({"discarded": list(done)})
+        print_json({"discarded": list(done)})
     else:
         print(f"{len(done)} message(s) discarded" + (f": {', '.join(map(str, done))}" if done else ""))
 
@@ -321,11 +298,11 @@ def _cmd_pause(engine: Engine, args: argparse.Namespace) -> int:
     if args.command == "resume":
         lifted = ops.resume(engine, queue=args.queue, handler=args.handler, reason=args.reason, actor=actor)
         if args.json:
-            _print_json({"resumed": lifted.as_dict()})
+            print_json({"resumed": lifted.as_dict()})
         else:
             print(
                 f"resumed {lifted.kind} {lifted.name}"
-                f" (paused since {_when(lifted.paused_at)} by {lifted.actor});"
+                f" (paused since {when(lifted.paused_at)} by {lifted.actor});"
                 f" {lifted.held_back} pending message(s) may be claimed again"
             )
         return 0
@@ -338,7 +315,7 @@ def _cmd_pause(engine: Engine, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if args.json:
-        _print_json({"paused": held.as_dict(), "changed": done.changed, "known": done.known})
+        print_json({"paused": held.as_dict(), "changed": done.changed, "known": done.known})
     elif done.changed:
         print(
             f"paused {held.kind} {held.name}: relays stop claiming it at their next claim;"
@@ -346,8 +323,8 @@ def _cmd_pause(engine: Engine, args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"{held.kind} {held.name} was already paused since {_when(held.paused_at)} by {held.actor}"
-            f" ({_flat(held.reason)}); nothing changed"
+            f"{held.kind} {held.name} was already paused since {when(held.paused_at)} by {held.actor}"
+            f" ({flat(held.reason)}); nothing changed"
         )
     return 0
 
@@ -356,15 +333,15 @@ def _cmd_breaker(engine: Engine, args: argparse.Namespace) -> int:
     if args.breaker_command == "list":
         found = ops.breakers(engine)
         if args.json:
-            _print_json([breaker.as_dict() for breaker in found])
+            print_json([breaker.as_dict() for breaker in found])
         elif not found:
             print("no circuit breaker is open")
         else:
             rows = [
-                [x.destination, x.route, x.state, _when(x.since), x.failures, _when(x.reopen_at), x.opened_by]
+                [x.destination, x.route, x.state, when(x.since), x.failures, when(x.reopen_at), x.opened_by]
                 for x in found
             ]
-            _table(
+            table(
                 rows,
                 ["destination", "route", "state", "since", "failures", "reopen at", "opened by"],
             )
@@ -372,11 +349,11 @@ def _cmd_breaker(engine: Engine, args: argparse.Namespace) -> int:
     actor = args.actor or login_name()
     was = ops.reset_breaker(engine, args.destination, reason=args.reason, actor=actor)
     if args.json:
-        _print_json({"reset": was.as_dict()})
+        print_json({"reset": was.as_dict()})
     else:
         print(
             f"reset the circuit breaker for {was.destination} (route {was.route}, {was.state} since"
-            f" {_when(was.since)} after {was.failures} failures); every relay sends to it again within a"
+            f" {when(was.since)} after {was.failures} failures); every relay sends to it again within a"
             f" second. Messages it deferred keep their time: `{PROG} retry-now --handler {was.route}`"
             " sends them now"
         )
@@ -393,7 +370,7 @@ def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
         history_of_unresolved=args.include_unresolved_history,
     )
     if args.json:
-        _print_json(
+        print_json(
             {
                 "messages": result.messages,
                 "attempts": result.attempts,
@@ -411,32 +388,6 @@ def _cmd_purge(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_inbox(engine: Engine, args: argparse.Namespace) -> int:
-    found = ops.inbox_dead_letters(engine, consumer=args.consumer, limit=args.limit)
-    if args.json:
-        _print_json([letter.as_dict() for letter in found])
-    elif not found:
-        print("no dead letter" + (f" for consumer {args.consumer}" if args.consumer else ""))
-    else:
-        rows = [
-            [
-                x.id,
-                x.consumer,
-                x.message_id,
-                x.event_type,
-                x.attempts,
-                _when(x.dead_at),
-                x.error_type,
-                x.error,
-            ]
-            for x in found
-        ]
-        _table(
-            rows, ["id", "consumer", "message id", "event type", "attempts", "dead at", "error type", "error"]
-        )
-    return 0
-
-
 COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "stats": _cmd_stats,
     "list": _cmd_list,
@@ -449,7 +400,7 @@ COMMANDS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "pause": _cmd_pause,
     "resume": _cmd_pause,
     "purge": _cmd_purge,
-    "inbox": _cmd_inbox,
+    "inbox": cmd_inbox,
     "breaker": _cmd_breaker,
     "dashboard": run_dashboard,
 }

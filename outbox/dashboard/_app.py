@@ -15,7 +15,7 @@ from starlette.staticfiles import StaticFiles
 
 from .._hosts import host_name
 from .._urls import sync_engine
-from . import _actions, _events, _live, _pages
+from . import _actions, _events, _inbox, _live, _pages
 from ._format import FILTERS
 from ._overview import finished_counts, unfinished_counts
 from ._security import Auth, SecurityHeaders
@@ -90,6 +90,7 @@ def create_app(
     routes = [
         *_pages.ROUTES,
         *_actions.ROUTES,
+        *_inbox.ROUTES,
         Route("/events", _events.events),
         Mount("/static", app=StaticFiles(packages=[("outbox.dashboard", "static")]), name="static"),
     ]

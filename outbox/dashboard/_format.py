@@ -46,6 +46,11 @@ def _pretty(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
 
 
+def _compact(value: Any) -> str:
+    """A JSON document on one line, for a preview; the template escapes it."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str, separators=(", ", ": "))
+
+
 def _short(value: str | None, length: int = 120) -> str:
     if not value:
         return ""
@@ -59,6 +64,7 @@ FILTERS: dict[str, Any] = {
     "since": _since,
     "number": _number,
     "pretty": _pretty,
+    "compact": _compact,
     "short": _short,
     "login_apart": login_apart,
 }

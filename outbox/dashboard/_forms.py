@@ -30,6 +30,7 @@ __all__ = [
     "parse_list_query",
     "reason_and_ids",
     "text_param",
+    "whole",
 ]
 
 #: Query parameter, label: the list filters, in the order the form shows them.

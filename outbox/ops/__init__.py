@@ -1,5 +1,5 @@
 """Operations: stats, list, show, requeue, resend, discard, retry-now, pause and resume, retention,
-relays, circuit breakers, the inbox's dead letters, dashboard reads.
+relays, circuit breakers, the inbox's dead letters (and requeueing them), dashboard reads.
 
 The ``outbox`` command and any dashboard call these. Every action that changes
 what will happen to a message appends a history row naming the actor and the
@@ -26,7 +26,14 @@ from ._dashboard import (
     lineage,
 )
 from ._filters import MessageFilter, candidate_ids, count_candidates, requeue_candidates
-from ._inbox import MAX_DEAD_LETTERS, InboxDeadLetter, inbox_dead_letters
+from ._inbox import (
+    MAX_DEAD_LETTERS,
+    InboxDeadLetter,
+    count_inbox_dead_letters,
+    inbox_dead_letter,
+    inbox_dead_letters,
+)
+from ._inbox_actions import requeue_inbox_dead_letter, requeue_inbox_dead_letters
 from ._keys import ROOT_KEY_LIMIT, requeued_key, resent_key, root_key
 from ._live import change_marker
 from ._pause import NotPaused, Pause, PauseResult, PauseSpan, pause, paused, resume
@@ -91,9 +98,11 @@ __all__ = [
     "candidate_ids",
     "change_marker",
     "count_candidates",
+    "count_inbox_dead_letters",
     "count_messages",
     "discard",
     "follow_history",
+    "inbox_dead_letter",
     "inbox_dead_letters",
     "lineage",
     "list_messages",
@@ -109,6 +118,8 @@ __all__ = [
     "report_runs",
     "requeue",
     "requeue_candidates",
+    "requeue_inbox_dead_letter",
+    "requeue_inbox_dead_letters",
     "requeued_key",
     "resend",
     "reset_breaker",
