@@ -54,58 +54,32 @@ always reaches the publish it belongs to.
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractConnection, AbstractExchange
 from aiormq.exceptions import DeliveryError, PublishError
-from yarl import URL
 
 from outbox import ConfigurationError, Message, PermanentError, RetryLater
 
 from ._broker_recovery import Recovery
 from ._envelope import RoutingTemplate, envelope
 from ._per_loop import PerLoop
+from ._rabbitmq_config import check_url, positive, secrets, shown
+from ._rabbitmq_consumer import QueueDeclaration, RabbitMQConsumer
 from ._rabbitmq_link import Away, Link, Unreachable, close_quietly, connection_lost
 
 if TYPE_CHECKING:
     from outbox._breaker_board import BreakerBoard
 
-__all__ = ["RabbitMQPublisher"]
+__all__ = ["QueueDeclaration", "RabbitMQConsumer", "RabbitMQPublisher"]
 
 ExchangeKind = Literal["direct", "topic", "fanout", "headers"]
 _KINDS: tuple[str, ...] = ("direct", "topic", "fanout", "headers")
 _CONNECT_TIMEOUT = 10.0
 _CLOSE_TIMEOUT = 5.0
 _UNROUTABLE = ("dead", "retry")
-
-
-def _check_url(url: object) -> URL:
-    if not isinstance(url, str) or not url:
-        raise ConfigurationError(f"the RabbitMQ URL must be a non-empty string, got {type(url).__name__}")
-    try:
-        parsed = URL(url)
-    except (TypeError, ValueError) as exc:
-        raise ConfigurationError(f"invalid RabbitMQ URL: {exc}") from None
-    if parsed.scheme not in ("amqp", "amqps"):
-        shown = parsed.with_password("***") if parsed.password else parsed
-        raise ConfigurationError(f"RabbitMQ URLs must be amqp:// or amqps://, got {str(shown)!r}")
-    if not parsed.host:
-        raise ConfigurationError("the RabbitMQ URL has no host")
-    return parsed
-
-
-def _positive(what: str, value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigurationError(f"{what} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 class RabbitMQPublisher:
@@ -137,7 +111,7 @@ class RabbitMQPublisher:
         correlation_id: str | None = None,
         on_unroutable: Literal["dead", "retry"] = "dead",
     ) -> None:
-        self._url = _check_url(url)
+        self._url = check_url(url)
         self._raw_url = url
         if not isinstance(exchange, str):
             raise ConfigurationError(f"exchange must be a string, got {type(exchange).__name__}")
@@ -164,7 +138,7 @@ class RabbitMQPublisher:
         if not isinstance(source, str) or not source:
             raise ConfigurationError(f"source must be a non-empty string, got {source!r}")
         self.source = source
-        self.publish_timeout = _positive("publish_timeout", publish_timeout)
+        self.publish_timeout = positive("publish_timeout", publish_timeout)
         if on_unroutable not in _UNROUTABLE:
             raise ConfigurationError(f"on_unroutable must be 'dead' or 'retry', got {on_unroutable!r}")
         self.on_unroutable = on_unroutable
@@ -183,7 +157,7 @@ class RabbitMQPublisher:
     @property
     def url(self) -> str:
         """The broker URL with its password masked: what errors, logs and ``repr`` show."""
-        return str(self._url.with_password("***")) if self._url.password else str(self._url)
+        return shown(self._url)
 
     def __repr__(self) -> str:
         key = self.routing_key.template
@@ -193,11 +167,7 @@ class RabbitMQPublisher:
 
     def outbox_secrets(self) -> list[str]:
         """The URL's password, decoded and as written (percent-encoded), and the URL itself."""
-        found = [self._raw_url] if self._url.password else []
-        for value in (self._url.password, self._url.raw_password):
-            if value:
-                found.append(value)
-        return found
+        return secrets(self._raw_url, self._url)
 
     def _scrub(self, text: str) -> str:
         for secret in sorted(self.outbox_secrets(), key=len, reverse=True):
