@@ -158,6 +158,9 @@ class Consumer:
             metrics=self.metrics,
         )
         self._runtime, self._force, self._loop = rt, asyncio.Event(), asyncio.get_running_loop()
+        if self.metrics is not None:  # not ready until every source says it is connected
+            for source in self.sources:
+                self.metrics.source_connected(self.inbox.name, source.name, False)
         try:
             await self._check_database(rt)
             if install_signal_handlers:

@@ -377,3 +377,35 @@ def test_an_outage_of_the_consumers_database_uses_up_no_attempts(pg_url: str) ->
     assert seen == [1, 2]  # its 4th and 5th deliveries: the outage counted for nothing
     with create_engine(pg_url).connect() as conn:
         assert conn.execute(select(outbox_inbox.c.outcome)).scalar_one() == "handled"
+
+
+def test_readiness_waits_for_every_source_to_connect(db) -> None:
+    from outbox.consumer import ConsumerMetrics
+
+    _, sessions = db
+    inbox = Inbox("runtime")
+    inbox.handler("order.paid", name="noop")(lambda session, message: None)
+    connect = threading.Event()
+
+    class SlowToConnect(QueueSource):
+        async def consume(self, context: SourceContext) -> None:
+            while not connect.is_set() and not context.stopping.is_set():
+                await asyncio.sleep(0.01)
+            await super().consume(context)
+
+    source = SlowToConnect()
+    inbox.consume(source)
+    metrics = ConsumerMetrics()
+    answers: list[tuple[bool, str]] = []
+
+    def ready_after_connecting() -> bool:
+        if not answers:
+            if metrics.up._value.get() != 1:  # serving, database checked, sources started
+                return False
+            answers.append(metrics.ready())
+            connect.set()
+            return False
+        return metrics.ready()[0]
+
+    _run(Consumer(inbox, sessions, metrics=metrics), ready_after_connecting)
+    assert answers == [(False, "not connected: memory:test")]
