@@ -28,7 +28,7 @@ from outbox._redact import Redactor
 
 from ._broker_recovery import PROBE_INTERVAL, Recovery
 
-__all__ = ["ERROR_LOG_INTERVAL", "Report", "Session"]
+__all__ = ["ERROR_LOG_INTERVAL", "Logger", "Report", "Session"]
 
 log = logging.getLogger("outbox.integrations.kafka")
 _librdkafka_log = logging.getLogger("outbox.integrations.kafka.librdkafka")
@@ -37,7 +37,7 @@ _librdkafka_log = logging.getLogger("outbox.integrations.kafka.librdkafka")
 ERROR_LOG_INTERVAL = 60.0
 
 
-class _Logger:
+class Logger:
     """What confluent-kafka's ``logger`` needs (a ``log`` method), masking secrets on the way."""
 
     def __init__(self, redactor: Redactor) -> None:
@@ -77,7 +77,7 @@ class Session:
         self._logged: dict[int, float] = {}
         self._refreshing: dict[str, threading.Thread] = {}
         self._refresh_lock = threading.Lock()
-        self.producer = Producer({**config, "error_cb": self._on_error, "logger": _Logger(redactor)})
+        self.producer = Producer({**config, "error_cb": self._on_error, "logger": Logger(redactor)})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="outbox-kafka-reports", daemon=True)
         self._thread.start()
