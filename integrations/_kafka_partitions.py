@@ -64,7 +64,7 @@ class _Partition:
     def __init__(self, topic: str, number: int, expected: int | None) -> None:
         self.topic = topic
         self.number = number
-        #: The next offset this assignment should see (a record below it was seen already).
+        #: The next offset this assignment should see (one below it means librdkafka went back).
         self.expected = expected
         self.records: deque[Any] = deque()
         self.gone = asyncio.Event()  # revoked or lost: take nothing more
@@ -139,7 +139,19 @@ class Partitions:
                 continue
             offset = record.offset()
             if part.expected is not None and offset < part.expected:
-                continue  # fetched again after a pause: this assignment has it already
+                # librdkafka went back: the stored offset was out of range (the topic was
+                # recreated, or truncated) and auto.offset.reset applied. Skipping would lose
+                # these records; taking them is safe, the inbox knows a duplicate by its id.
+                log.warning(
+                    "source %s: %s[%d] went back from offset %d to %d (was the topic recreated?); "
+                    "taking its records again, duplicates are recognised by their ids",
+                    self._name,
+                    part.topic,
+                    part.number,
+                    part.expected,
+                    offset,
+                    extra={"action": "kafka_offset_reset", "source": self._name},
+                )
             part.expected = offset + 1
             part.records.append(record)
             touched[key] = part
@@ -160,8 +172,8 @@ class Partitions:
     async def _work(self, part: _Partition) -> None:
         try:
             while part.records and not part.gone.is_set() and not self._context.stopping.is_set():
-                if not await self._take(part, part.records[0]):
-                    return
+                if not await self._take(part, part.records[0]) or part.gone.is_set():
+                    return  # revoked meanwhile: its records were dropped, the next owner has them
                 part.records.popleft()
                 part.retrying = False
                 self._want_paused(part)
@@ -176,8 +188,18 @@ class Partitions:
             async with self._slots:
                 if part.gone.is_set() or context.stopping.is_set():
                     return False
-                if await self._once(part, record, attempt):
-                    return True
+                try:
+                    if await self._once(part, record, attempt):
+                        return True
+                except Exception:  # a bug, not the record's fault: never skip it, take it again later
+                    log.exception(
+                        "source %s: taking %s[%d] offset %d failed",
+                        self._name,
+                        part.topic,
+                        part.number,
+                        record.offset(),
+                        extra={"action": "kafka_take_failed", "source": self._name},
+                    )
             part.retrying = True
             self._want_paused(part)
             delay = context.retry_delay(attempt)

@@ -5,63 +5,58 @@ mock cluster speaks the Kafka protocol, group coordination included. What is
 checked is what a user relies on: each record's effect once, in order per
 partition, with the partition's next offset stored in the same transaction;
 restarts and rebalances that neither skip nor re-read a record; failures
-retried in place; and, in the subprocess tests, SIGKILLs at any moment
-(tests/apps/kafka_inbox_app.py) that cost neither an effect nor a duplicate.
+retried in place. SIGKILLs at any moment, and the ``outbox-consumer``
+command around the source, are in test_inbox_kafka_faults.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 from confluent_kafka import Consumer as KafkaClient
-from confluent_kafka import Producer, TopicPartition
+from confluent_kafka import TopicPartition
+from kafkainbox import (
+    EVENT,
+    TOPIC,
+    effects,
+    event,
+    events,
+    high_watermarks,
+    kafka_inbox_app,
+    markers,
+    new_cluster,
+    produce,
+    stored_offsets,
+    wait_until,
+)
 from kafkamock import MockCluster
-from relayproc import APPS, relay_env
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import create_engine, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import outbox
-from outbox import Backoff, ConfigurationError, Inbox, InboxMessage, Outbox, emit, outbox_inbox
+from outbox import Backoff, ConfigurationError, Inbox, InboxMessage, Outbox, emit
 from outbox._inbox.source import Ack, BeforeCommit, SourceContext
 from outbox.consumer import Consumer
 from outbox.integrations.kafka import KafkaConsumer, KafkaPublisher
 from outbox.relay import Relay
 
-sys.path.insert(0, str(APPS))
-import kafka_inbox_app  # noqa: E402  (tests/apps is what the consumer subprocesses import it from, too)
-
-TOPIC = "orders"
-EVENT = "order.paid"
 #: Group timings for tests: a member that died is noticed within two seconds, not forty-five.
 QUICK_GROUP = {"session.timeout.ms": 1500, "heartbeat.interval.ms": 300}
 FAST_RETRY = Backoff(base=0.05, cap=0.05)
-o = outbox.outbox_inbox_offset
 dead_letters = outbox.outbox_inbox_dead
 
 
 @pytest.fixture
 def cluster() -> Iterator[MockCluster]:
-    mc = MockCluster(brokers=1)
-    mc.set_initial_rebalance_delay(50)
-    mc.create_topic(TOPIC, partitions=3, replication=1)
+    mc = new_cluster()
     yield mc
     mc.close()
 
@@ -76,70 +71,6 @@ def db(database_url: str) -> Iterator[tuple[Engine, sessionmaker[Session]]]:
         yield engine, sessionmaker(engine)
     finally:
         engine.dispose()
-
-
-# -- helpers ----------------------------------------------------------------------------------------
-
-
-def produce(
-    cluster: MockCluster, records: Iterable[tuple[int, dict[str, str], bytes]], topic: str = TOPIC
-) -> None:
-    """``(partition, headers, body)`` records, written in order (an idempotent producer, acks=all)."""
-    producer = Producer({"bootstrap.servers": cluster.bootstrap_servers, "enable.idempotence": True})
-    for partition, headers, body in records:
-        producer.produce(
-            topic, value=body, partition=partition, headers=[(k, v.encode()) for k, v in headers.items()]
-        )
-    assert producer.flush(15) == 0
-
-
-def event(message_id: str, body: Any, event_type: str = EVENT) -> tuple[dict[str, str], bytes]:
-    return {"ce-id": message_id, "ce-type": event_type}, json.dumps(body).encode()
-
-
-def events(partition: int, ids: Iterable[str]) -> list[tuple[int, dict[str, str], bytes]]:
-    return [(partition, *event(i, {"id": i})) for i in ids]
-
-
-def high_watermarks(cluster: MockCluster, partitions: int = 3, topic: str = TOPIC) -> dict[int, int]:
-    client = KafkaClient(
-        {"bootstrap.servers": cluster.bootstrap_servers, "group.id": "probe", "log_level": 0}
-    )
-    try:
-        return {
-            p: client.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in range(partitions)
-        }
-    finally:
-        client.close()
-
-
-def stored_offsets(engine: Engine, inbox: str) -> dict[int, int]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            select(o.c.partition, o.c.next_offset).where(o.c.consumer == inbox, o.c.topic == TOPIC)
-        )
-        return {partition: offset for partition, offset in rows}
-
-
-def effects(engine: Engine) -> list[Any]:
-    with engine.connect() as conn:
-        return list(conn.execute(select(kafka_inbox_app.effects).order_by(kafka_inbox_app.effects.c.id)))
-
-
-def markers(engine: Engine) -> int:
-    with engine.connect() as conn:
-        return int(conn.scalar(select(func.count()).select_from(outbox_inbox)) or 0)
-
-
-def wait_until(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)
 
 
 class Recorded:
@@ -189,7 +120,7 @@ def kafka_inbox(
 ) -> tuple[Inbox, Recorded]:
     """An inbox like the subprocess app's (one row per effect), fed by a recorded KafkaConsumer."""
     inbox = Inbox(name, **options.pop("inbox", {}))
-    inbox.handler("#", name="apply")(kafka_inbox_app.apply)
+    inbox.handler("#", name="apply")(options.pop("handler", kafka_inbox_app.apply))
     source = Recorded(
         KafkaConsumer(
             cluster.bootstrap_servers,
@@ -324,3 +255,247 @@ def test_a_partition_never_stored_starts_at_auto_offset_reset(db, cluster):
             lambda: stored_offsets(engine, "shipping") == {0: high_watermarks(cluster)[0]}, what="the end"
         )
     assert all(row.message_id.startswith("new-") for row in effects(engine))
+
+
+# -- rebalances and concurrent consumers ----------------------------------------------------------
+
+
+def slow_apply(session: Session, message: InboxMessage) -> None:
+    time.sleep(0.005)
+    kafka_inbox_app.apply(session, message)
+
+
+@pytest.mark.parametrize("strategy", ["range", "cooperative-sticky"])
+def test_a_consumer_joining_and_leaving_hands_partitions_over_without_a_gap_or_a_repeat(
+    db, cluster, strategy
+):
+    """Eager rebalances (every partition revoked, then assigned) and cooperative ones (only those that move).
+
+    Records keep coming while the second consumer joins and leaves, so both
+    hand-overs happen with records in flight, whatever the rebalances take.
+    """
+    engine, sessions = db
+    config = {"partition.assignment.strategy": strategy}
+    one_inbox, one = kafka_inbox(cluster, name="shipping", handler=slow_apply, config=config)
+    two_inbox, two = kafka_inbox(cluster, name="shipping", handler=slow_apply, config=config)
+    with feeding(cluster) as fed, serving(Consumer(one_inbox, sessions, concurrency=3)):
+        wait_until(lambda: markers(engine) >= 60, what="the first records")
+        with serving(Consumer(two_inbox, sessions, concurrency=3)):  # joins the group, then leaves it
+            wait_until(lambda: len(two.taken) >= 30, what="records taken by the second consumer")
+        back = len(one.taken)
+        wait_until(lambda: len(one.taken) >= back + 60, what="records taken after the second one left")
+        fed.stop()
+        wait_until(lambda: markers(engine) == fed.count, what="every record fed")
+
+    taken = Counter(message_id for message_id, _, _ in one.taken + two.taken)
+    assert set(taken.values()) == {1}, "a record was read twice"
+    assert len(taken) == fed.count and {o for _, o, _ in one.taken + two.taken} == {"handled"}
+    assert len(effects(engine)) == fed.count
+    assert stored_offsets(engine, "shipping") == high_watermarks(cluster)
+
+
+class Feeder:
+    """Writes ten records to each partition every 0.1 s until stopped; ``count`` says how many so far."""
+
+    def __init__(self, cluster: MockCluster) -> None:
+        self.count = 0
+        self._cluster = cluster
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, name="test-feeder")
+        self._thread.start()
+
+    def _feed(self) -> None:
+        while not self._stop.is_set():
+            batch = [(n % 3, *event(f"m-{n}", {"n": n})) for n in range(self.count, self.count + 30)]
+            produce(self._cluster, batch)
+            self.count += len(batch)
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+@contextmanager
+def feeding(cluster: MockCluster) -> Iterator[Feeder]:
+    feeder = Feeder(cluster)
+    try:
+        yield feeder
+    finally:
+        feeder.stop()
+
+
+def test_two_consumers_taking_copies_of_a_message_at_once_apply_it_once(db, cluster):
+    """Every event is in all three partitions, read at once by two consumers of the group: one effect."""
+    engine, sessions = db
+    one_inbox, one = kafka_inbox(cluster, name="shipping", group="shipping")
+    two_inbox, two = kafka_inbox(cluster, name="shipping", group="shipping")
+    with (
+        serving(Consumer(one_inbox, sessions, concurrency=3)),
+        serving(Consumer(two_inbox, sessions, concurrency=3)),
+    ):
+        deadline = time.monotonic() + 30
+        while not (one.taken and two.taken):  # both are assigned partitions: both have taken something
+            assert time.monotonic() < deadline, "the two consumers never both took a record"
+            produce(cluster, [(p, *event(f"warm-{uuid.uuid4()}", {})) for p in range(3)])
+            time.sleep(0.2)
+        ids = [f"copy-{n}" for n in range(60)]
+        produce(cluster, [(p, *event(i, {"id": i})) for i in ids for p in range(3)])
+        wait_until(
+            lambda: stored_offsets(engine, "shipping") == high_watermarks(cluster), what="every copy taken"
+        )
+
+    copies = [(m, outcome) for m, outcome, _ in one.taken + two.taken if m.startswith("copy-")]
+    assert Counter(m for m, _ in copies) == {i: 3 for i in ids}
+    assert Counter(m for m, outcome in copies if outcome == "handled") == {i: 1 for i in ids}
+    done = Counter(row.message_id for row in effects(engine) if row.message_id.startswith("copy-"))
+    assert done == {i: 1 for i in ids}
+    both = {m for m, _, _ in one.taken} & {m for m, _, _ in two.taken}
+    assert both & set(ids), "no message reached both consumers: nothing concurrent was tested"
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+
+def failing(session: Session, message: InboxMessage) -> None:
+    if message.payload.get("poison"):
+        raise RuntimeError("boom")
+    if message.payload.get("flaky") and message.attempt < 3:
+        raise RuntimeError(f"not yet ({message.attempt})")
+    kafka_inbox_app.apply(session, message)
+
+
+def test_a_failing_record_is_taken_again_in_place_until_it_commits_or_is_a_dead_letter(db, cluster):
+    engine, sessions = db
+    produce(
+        cluster,
+        [
+            (0, *event("ok-1", {})),
+            (0, *event("poison", {"poison": True})),
+            (0, *event("ok-2", {})),
+            (1, *event("flaky", {"flaky": True})),
+            (1, *event("ok-3", {})),
+            (2, *event("ok-4", {})),
+        ],
+    )
+    inbox, source = kafka_inbox(cluster, handler=failing, inbox={"max_failures": 3})
+    with serving(Consumer(inbox, sessions, retry_backoff=FAST_RETRY)):
+        wait_until(lambda: stored_offsets(engine, "shipping") == {0: 3, 1: 2, 2: 1}, what="every offset")
+
+    taken = source.taken
+    assert [(o, a) for m, o, a in taken if m == "poison"] == [(None, 1), (None, 2), ("dead", 3)]
+    assert [(o, a) for m, o, a in taken if m == "flaky"] == [(None, 1), (None, 2), ("handled", 3)]
+    order = [m for m, o, _ in taken if o is not None]
+    assert order.index("ok-1") < order.index("poison") < order.index("ok-2")  # the partition waited
+    assert order.index("flaky") < order.index("ok-3")
+    assert sorted(row.message_id for row in effects(engine)) == ["flaky", "ok-1", "ok-2", "ok-3", "ok-4"]
+    with engine.connect() as conn:
+        dead = conn.execute(
+            select(dead_letters.c.message_id, dead_letters.c.attempts, dead_letters.c.error)
+        ).one()
+    assert dead.message_id == "poison" and dead.attempts == 3 and "boom" in dead.error
+
+
+def test_undecodable_records_become_dead_letters_with_their_offsets(db, cluster):
+    engine, sessions = db
+    produce(
+        cluster,
+        [
+            (0, {"ce-id": "bad-json", "ce-type": EVENT}, b"not json"),
+            (0, {"ce-id": "no-type"}, b"{}"),
+            (0, {"ce-type": EVENT}, b'{"foreign": true}'),  # no ce-id: its place in the log names it
+            (0, *event("after", {})),
+        ],
+    )
+    inbox, source = kafka_inbox(cluster)
+    with serving(Consumer(inbox, sessions)):
+        wait_until(lambda: stored_offsets(engine, "shipping") == {0: 4}, what="the four offsets")
+    assert [(m, o) for m, o, _ in source.taken] == [
+        ("bad-json", "refused"),
+        ("no-type", "refused"),
+        (f"{TOPIC}/0/2", "handled"),
+        ("after", "handled"),
+    ]
+    with engine.connect() as conn:
+        dead = {row.message_id: row for row in conn.execute(select(dead_letters))}
+    assert set(dead) == {"bad-json", "no-type"}
+    assert "not JSON" in dead["bad-json"].error and "no ce-type" in dead["no-type"].error
+    assert [row.message_id for row in effects(engine)] == [f"{TOPIC}/0/2", "after"]
+
+
+# -- configuration ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "complaint"),
+    [
+        ({"enable.auto.commit": True}, "'enable.auto.commit' must stay false"),
+        ({"enable.auto.commit": "true"}, "'enable.auto.commit' must stay false"),
+        ({"enable.auto.offset.store": True}, "'enable.auto.offset.store' must stay false"),
+        ({"isolation.level": "read_uncommitted"}, "aborted"),
+        ({"auto.offset.reset": "error"}, "'earliest' or 'latest'"),
+        ({"group.id": "other"}, "group_id"),
+        ({"bootstrap.servers": "127.0.0.1:9"}, "bootstrap_servers"),
+        ({"on_commit": print}, "lag"),
+        ({"error_cb": print}, "client errors"),
+        ({"no.such.property": "1"}, "invalid Kafka consumer config"),
+        ({"session.timeout.ms": "soon"}, "invalid Kafka consumer config"),
+    ],
+)
+def test_bad_configuration_is_refused_at_construction(config, complaint):
+    with pytest.raises(ConfigurationError, match=complaint):
+        KafkaConsumer("127.0.0.1:9", TOPIC, "g", config=config)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "options", "complaint"),
+    [
+        (("", TOPIC, "g"), {}, "bootstrap_servers"),
+        (("127.0.0.1:9", [], "g"), {}, "topics"),
+        (("127.0.0.1:9", "not a topic", "g"), {}, "not a Kafka topic name"),
+        (("127.0.0.1:9", "^orders.*", "g"), {}, "patterns are not supported"),
+        (("127.0.0.1:9", [TOPIC, TOPIC], "g"), {}, "twice"),
+        (("127.0.0.1:9", TOPIC, ""), {}, "group_id"),
+        (("127.0.0.1:9", TOPIC, "g"), {"name": ""}, "name"),
+        (("127.0.0.1:9", TOPIC, "g"), {"poll_timeout": 0}, "poll_timeout"),
+        (("127.0.0.1:9", TOPIC, "g"), {"poll_timeout": True}, "poll_timeout"),
+        (("127.0.0.1:9", TOPIC, "g"), {"commit_to_kafka": "yes"}, "commit_to_kafka"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(arguments, options, complaint):
+    with pytest.raises(ConfigurationError, match=complaint):
+        KafkaConsumer(*arguments, **options)
+
+
+def test_secrets_in_the_config_never_appear_in_errors():
+    with pytest.raises(ConfigurationError) as refused:
+        KafkaConsumer(
+            "127.0.0.1:9",
+            TOPIC,
+            "g",
+            config={"sasl.password": "hunter2-secret", "security.protocol": "hunter2-secret"},
+        )
+    assert "hunter2" not in str(refused.value)
+    source = KafkaConsumer("127.0.0.1:9", TOPIC, "g", config={"sasl.password": "hunter2-secret"})
+    assert "hunter2" not in repr(source) and source.name == "kafka:g"
+
+
+def test_a_missing_topic_stops_the_consumer_with_one_line(db, cluster):
+    _, sessions = db
+    inbox = Inbox("shipping")
+    inbox.handler("#", name="apply")(kafka_inbox_app.apply)
+    inbox.consume(KafkaConsumer(cluster.bootstrap_servers, "no-such-topic", "shipping"))
+    with pytest.raises(ConfigurationError, match="Kafka topic 'no-such-topic' does not exist"):
+        Consumer(inbox, sessions).run()
+
+
+def test_one_inbox_reading_a_topic_through_two_groups_is_refused(db, cluster):
+    _, sessions = db
+    inbox = Inbox("shipping")
+    inbox.handler("#", name="apply")(kafka_inbox_app.apply)
+    inbox.consume(
+        KafkaConsumer(cluster.bootstrap_servers, TOPIC, "one"),
+        KafkaConsumer(cluster.bootstrap_servers, TOPIC, "two"),
+    )
+    with pytest.raises(ConfigurationError, match="different groups"):
+        Consumer(inbox, sessions).run()

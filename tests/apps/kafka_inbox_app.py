@@ -6,15 +6,18 @@ effect of one message would show. Configured from the environment:
 
 - ``KAFKA_APP_SERVERS``, ``KAFKA_APP_TOPIC``, ``KAFKA_APP_GROUP``: where to read;
 - ``KAFKA_APP_KILL_EFFECT``: the probability that the handler SIGKILLs its own
-  process after writing its effect, before the commit;
+  process after writing its effect, before the commit, and
+  ``KAFKA_APP_KILL_EFFECT_AT``: the handler call (1, 2...) that does so for sure;
 - ``KAFKA_APP_KILL_ACK``: the probability that the acknowledgement SIGKILLs its
-  own process, after the commit and before the acknowledgement runs;
+  own process, after the commit and before the acknowledgement runs, and
+  ``KAFKA_APP_KILL_ACK_AT``: the acknowledgement that does so for sure;
 - ``KAFKA_APP_SLOW``: seconds the handler sleeps before writing, and
   ``KAFKA_APP_STARTED``: a directory where it touches a file per started message.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -39,13 +42,21 @@ effects = Table(
 )
 
 KILL_EFFECT = float(os.environ.get("KAFKA_APP_KILL_EFFECT") or 0)
+KILL_EFFECT_AT = int(os.environ.get("KAFKA_APP_KILL_EFFECT_AT") or 0)
 KILL_ACK = float(os.environ.get("KAFKA_APP_KILL_ACK") or 0)
+KILL_ACK_AT = int(os.environ.get("KAFKA_APP_KILL_ACK_AT") or 0)
+_effects = itertools.count(1)  # next() is atomic: handlers run in several threads
+_acks = itertools.count(1)
 SLOW = float(os.environ.get("KAFKA_APP_SLOW") or 0)
 STARTED = os.environ.get("KAFKA_APP_STARTED")
 
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dies(calls: itertools.count[int], probability: float, at: int) -> bool:
+    return next(calls) == at or (probability > 0 and random.random() < probability)
 
 
 inbox = Inbox("kafka-app")
@@ -58,7 +69,7 @@ def apply(session: Session, message: InboxMessage) -> None:
     if SLOW:
         time.sleep(SLOW)
     session.execute(insert(effects).values(message_id=message.id, pid=os.getpid()))
-    if KILL_EFFECT and random.random() < KILL_EFFECT:
+    if _dies(_effects, KILL_EFFECT, KILL_EFFECT_AT):
         session.flush()
         _die()
 
@@ -74,11 +85,11 @@ class _KillingContext:
 
     @staticmethod
     def _ack(ack: Ack | None) -> Ack | None:
-        if ack is None or not KILL_ACK:
+        if ack is None or not (KILL_ACK or KILL_ACK_AT):
             return ack
 
         def maybe_die() -> object:
-            if random.random() < KILL_ACK:
+            if _dies(_acks, KILL_ACK, KILL_ACK_AT):
                 _die()
             return ack()
 
@@ -121,7 +132,7 @@ if os.environ.get("KAFKA_APP_SERVERS"):
                 os.environ["KAFKA_APP_SERVERS"],
                 os.environ.get("KAFKA_APP_TOPIC", "orders"),
                 os.environ.get("KAFKA_APP_GROUP", "kafka-app"),
-                config={"session.timeout.ms": 1500, "heartbeat.interval.ms": 300, "log_level": 3},
+                config={"session.timeout.ms": 1200, "heartbeat.interval.ms": 250, "log_level": 3},
             )
         )
     )
