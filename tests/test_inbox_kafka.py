@@ -11,12 +11,17 @@ command around the source, are in test_inbox_kafka_faults.py.
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,7 +42,8 @@ from kafkainbox import (
     wait_until,
 )
 from kafkamock import MockCluster
-from sqlalchemy import create_engine, select
+from relayproc import relay_env
+from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -499,3 +505,48 @@ def test_one_inbox_reading_a_topic_through_two_groups_is_refused(db, cluster):
     )
     with pytest.raises(ConfigurationError, match="different groups"):
         Consumer(inbox, sessions).run()
+
+
+def test_the_guides_kafka_example_takes_a_published_order_and_stops_on_sigterm(tmp_path: Path, cluster):
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "inbox.md").read_text()
+    scripts = dict(re.findall(r"```python\n# file: (\S+)\n(.*?)```", guide, re.S))
+    found = re.search(r"\n### Kafka\n.*?```python\n(# consume_kafka\.py.*?)```", guide, re.S)
+    assert found is not None and "shipping.py" in scripts
+    assert found.group(1).count('"127.0.0.1:9092"') == 1
+    (tmp_path / "shipping.py").write_text(scripts["shipping.py"])
+    (tmp_path / "consume_kafka.py").write_text(
+        found.group(1).replace('"127.0.0.1:9092"', repr(cluster.bootstrap_servers))
+    )
+    log = tmp_path / "consume_kafka.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "consume_kafka.py"],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=relay_env(),
+        )
+    try:
+        # shipping.py makes its database afresh at import: only then is it ours to read.
+        wait_until(
+            lambda: "event emitted" in log.read_text() or proc.poll() is not None, what="shipping.py run"
+        )
+        assert proc.poll() is None, log.read_text()
+        produce(cluster, [(1, *event("order-42", {"order_id": 42}))])
+        engine = create_engine(f"sqlite:///{tmp_path / 'shipping.db'}")
+        try:
+
+            def shipped() -> bool:
+                with engine.connect() as conn:
+                    return 42 in conn.scalars(text("SELECT order_id FROM shipments")).all()
+
+            wait_until(shipped, timeout=60, what=f"order 42 shipped\n{log.read_text()}")
+            assert stored_offsets(engine, "shipping") == {1: 1}
+        finally:
+            engine.dispose()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
