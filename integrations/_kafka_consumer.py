@@ -17,10 +17,10 @@ offset stored there: no gap and no repeated effect, across restarts, crashes
 and rebalances. The offsets it also commits to Kafka, after the database,
 are for lag monitoring only and never read back.
 
-How it runs (``_kafka_poller``, ``_kafka_partitions``): one thread owns the
-blocking ``confluent_kafka.Consumer`` and answers rebalances; the event loop
-takes each partition's records in order, one at a time, partitions in
-parallel up to the runtime's concurrency. A record that fails is taken again
+How it runs: one thread owns the blocking ``confluent_kafka.Consumer``
+(``_kafka_poller``) and answers rebalances (``_kafka_assignment``); the event
+loop takes each partition's records in order, one at a time, partitions in
+parallel up to the runtime's concurrency (``_kafka_partitions``). A record that fails is taken again
 after the runtime's retry delay, its partition paused meanwhile, never
 skipped; at the inbox's ``max_failures`` it becomes a dead letter, committed
 with its offset like any other outcome.
