@@ -136,11 +136,31 @@ class Poller:
             self._fail(exc)
         finally:
             if consumer is not None:
-                try:
-                    consumer.close()  # revokes what is assigned: the callback waits for records in hand
-                except Exception as exc:
-                    log.warning("source %s: closing the Kafka consumer failed: %s", self._name, exc)
+                self._close(consumer)
             self._finish()
+        # The consumer is destroyed as this returns, after the loop was told: with every broker
+        # down, that may wait for requests nobody will answer, and only this thread waits.
+
+    def _close(self, consumer: Consumer) -> None:
+        """Leave the group, which revokes what is assigned (the callback waits for the records in hand).
+
+        With every broker down, leaving would wait for the coordinator until
+        ``session.timeout.ms`` (45 s by default), past a stop's grace period:
+        the consumer is then dropped without leaving, and the group notices
+        when the session runs out. consume() still waits for the records in
+        hand, and each partition's next owner starts at its stored offset.
+        """
+        if self._away:
+            log.info(
+                "source %s: every broker is down: the consumer is dropped without leaving its group",
+                self._name,
+                extra={"action": "kafka_dropped", "source": self._name},
+            )
+            return
+        try:
+            consumer.close()
+        except Exception as exc:
+            log.warning("source %s: closing the Kafka consumer failed: %s", self._name, exc)
 
     def _fail(self, exc: BaseException) -> None:
         """The first failure wins: it is what consume() raises, once the consumer is closed."""

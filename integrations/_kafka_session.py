@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import threading
 import time
 from typing import Any
@@ -38,18 +39,44 @@ ERROR_LOG_INTERVAL = 60.0
 
 
 class Logger:
-    """What confluent-kafka's ``logger`` needs (a ``log`` method), masking secrets on the way."""
+    """What confluent-kafka's ``logger`` needs (a ``log`` method), masking secrets on the way.
+
+    While a broker refuses connections librdkafka logs each failed attempt, an
+    ERROR line many times a second; a warning or error that differs from an
+    earlier one only in its numbers (ports, milliseconds) is logged at most
+    once per ``ERROR_LOG_INTERVAL``, and the next one says how many were left
+    out. Lines below WARNING (``debug`` contexts asked for) all pass.
+    """
 
     def __init__(self, redactor: Redactor) -> None:
         self._redactor = redactor
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
 
     def log(self, level: int, fmt: str, *args: Any) -> None:
-        if _librdkafka_log.isEnabledFor(level):
-            try:
-                text = fmt % args if args else str(fmt)
-            except (TypeError, ValueError):
-                text = " ".join(map(str, (fmt, *args)))
-            _librdkafka_log.log(level, "%s", self._redactor.text(text))
+        if not _librdkafka_log.isEnabledFor(level):
+            return
+        try:
+            text = fmt % args if args else str(fmt)
+        except (TypeError, ValueError):
+            text = " ".join(map(str, (fmt, *args)))
+        if level >= logging.WARNING:
+            kind = _NUMBERS.sub("#", text)
+            now = time.monotonic()
+            if now - self._last.get(kind, -math.inf) < ERROR_LOG_INTERVAL:
+                self._left_out[kind] = self._left_out.get(kind, 0) + 1
+                return
+            if len(self._last) >= _KINDS_KEPT:  # bounded: forget every kind, log each once more
+                self._last.clear()
+            self._last[kind] = now
+            left_out = self._left_out.pop(kind, 0)
+            if left_out:
+                text += f" ({left_out} more like this in the last {ERROR_LOG_INTERVAL:.0f}s not logged)"
+        _librdkafka_log.log(level, "%s", self._redactor.text(text))
+
+
+_NUMBERS = re.compile(r"\d+")
+_KINDS_KEPT = 1000
 
 
 Report = tuple[KafkaError | None, int, int]  # a delivery report: error (None: written), partition, offset

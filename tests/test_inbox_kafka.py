@@ -11,6 +11,7 @@ command around the source, are in test_inbox_kafka_faults.py.
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import subprocess
@@ -50,7 +51,9 @@ from sqlalchemy.orm import Session, sessionmaker
 import outbox
 from outbox import Backoff, ConfigurationError, Inbox, InboxMessage, Outbox, emit
 from outbox._inbox.source import Ack, BeforeCommit, SourceContext
+from outbox._redact import Redactor
 from outbox.consumer import Consumer
+from outbox.integrations import _kafka_session
 from outbox.integrations.kafka import KafkaConsumer, KafkaPublisher
 from outbox.relay import Relay
 
@@ -554,3 +557,26 @@ def test_the_guides_kafka_example_takes_a_published_order_and_stops_on_sigterm(t
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_librdkafka_repeating_an_error_is_logged_once_then_counted(caplog, monkeypatch):
+    """While a broker refuses connections librdkafka logs every attempt: the log keeps one a minute."""
+    logger = _kafka_session.Logger(Redactor(["s3cret"]))
+
+    def refused(attempt: int) -> None:
+        text = f"127.0.0.1:{40000 + attempt}: Connect failed: Connection refused (after {attempt}ms) s3cret"
+        logger.log(logging.ERROR, "%s [%s] %s", "FAIL", "rdkafka#consumer-1", text)
+
+    with caplog.at_level(logging.DEBUG, logger="outbox.integrations.kafka.librdkafka"):
+        for attempt in range(100):
+            refused(attempt)
+        logger.log(logging.DEBUG, "%s", "asked for: every line passes")
+        logger.log(logging.DEBUG, "%s", "asked for: every line passes")
+        monkeypatch.setattr(_kafka_session, "ERROR_LOG_INTERVAL", 0.0)  # the minute is over
+        refused(100)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and not any("s3cret" in e for e in errors)
+    assert errors[1].endswith("(99 more like this in the last 0s not logged)")
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
+        "asked for: every line passes"
+    ] * 2

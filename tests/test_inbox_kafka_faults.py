@@ -222,6 +222,8 @@ def test_ready_only_while_kafka_answers_and_a_sigterm_lets_the_record_in_hand_co
         tmp_path / "consumer.log",
         "--metrics-port",
         "0",
+        "--log-format",
+        "json",
         KAFKA_APP_STARTED=str(tmp_path),
     )
     try:
@@ -237,9 +239,15 @@ def test_ready_only_while_kafka_answers_and_a_sigterm_lets_the_record_in_hand_co
         wait_until(lambda: _status(port, "/readyz") == 200, what=f"readiness again\n{proc.tail()}")
         produce(cluster, [(p, *event(f"after-{p}", {})) for p in range(KILL_PARTITIONS)])
         wait_until(lambda: markers(pg) == 2 * KILL_PARTITIONS, what="the records after the outage")
-    finally:
+
+        # Stopped during an outage, it does not wait for a coordinator that cannot answer.
+        cluster.set_down()
+        wait_until(lambda: _status(port, "/readyz") == 503, what=f"unreadiness\n{proc.tail()}")
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(60) == 0, proc.tail()
+        assert '"action": "kafka_dropped"' in proc.text(), proc.tail()
+    finally:
+        cluster.set_up()
         proc.kill()
 
     slow = ConsumerProcess(
