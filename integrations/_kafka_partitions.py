@@ -181,15 +181,20 @@ class Partitions:
             part.worker = None
 
     async def _take(self, part: _Partition, record: Any) -> bool:
-        """Take one record until it is committed; False if the partition or the source stops first."""
+        """Take one record until it is committed; False if the partition or the source stops first.
+
+        Kafka counts no deliveries, so each message goes to the inbox as attempt 1
+        and the runtime counts its handler's failures (a database outage is no
+        failure of the message's). ``tries`` only spaces the retries.
+        """
         context = self._context
-        attempt = 1
+        tries = 1
         while True:
             async with self._slots:
                 if part.gone.is_set() or context.stopping.is_set():
                     return False
                 try:
-                    if await self._once(part, record, attempt):
+                    if await self._once(part, record):
                         return True
                 except Exception:  # a bug, not the record's fault: never skip it, take it again later
                     log.exception(
@@ -202,12 +207,12 @@ class Partitions:
                     )
             part.retrying = True
             self._want_paused(part)
-            delay = context.retry_delay(attempt)
-            attempt += 1
+            delay = context.retry_delay(tries)
+            tries += 1
             if await self._interrupted(part, delay):
                 return False
 
-    async def _once(self, part: _Partition, record: Any, attempt: int) -> bool:
+    async def _once(self, part: _Partition, record: Any) -> bool:
         context = self._context
         topic, number, offset = part.topic, part.number, record.offset()
         next_offset = offset + 1
@@ -215,7 +220,6 @@ class Partitions:
             record.headers(),
             record.value() or b"",
             source=self._name,
-            attempt=attempt,
             fallback_id=f"{topic}/{number}/{offset}",  # a record's place in the log is its identity
         )
         inbox = context.inbox

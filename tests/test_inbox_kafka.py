@@ -368,16 +368,19 @@ def test_two_consumers_taking_copies_of_a_message_at_once_apply_it_once(db, clus
 # -- failures ---------------------------------------------------------------------------------------
 
 
-def failing(session: Session, message: InboxMessage) -> None:
-    if message.payload.get("poison"):
-        raise RuntimeError("boom")
-    if message.payload.get("flaky") and message.attempt < 3:
-        raise RuntimeError(f"not yet ({message.attempt})")
-    kafka_inbox_app.apply(session, message)
-
-
 def test_a_failing_record_is_taken_again_in_place_until_it_commits_or_is_a_dead_letter(db, cluster):
+    """Kafka counts no deliveries: the runtime counts the handler's failures, and the attempt rises."""
     engine, sessions = db
+    seen: list[tuple[str, int]] = []
+
+    def failing(session: Session, message: InboxMessage) -> None:
+        seen.append((message.id, message.attempt))
+        if message.payload.get("poison"):
+            raise RuntimeError("boom")
+        if message.payload.get("flaky") and message.attempt < 3:
+            raise RuntimeError(f"not yet ({message.attempt})")
+        kafka_inbox_app.apply(session, message)
+
     produce(
         cluster,
         [
@@ -393,10 +396,11 @@ def test_a_failing_record_is_taken_again_in_place_until_it_commits_or_is_a_dead_
     with serving(Consumer(inbox, sessions, retry_backoff=FAST_RETRY)):
         wait_until(lambda: stored_offsets(engine, "shipping") == {0: 3, 1: 2, 2: 1}, what="every offset")
 
-    taken = source.taken
-    assert [(o, a) for m, o, a in taken if m == "poison"] == [(None, 1), (None, 2), ("dead", 3)]
-    assert [(o, a) for m, o, a in taken if m == "flaky"] == [(None, 1), (None, 2), ("handled", 3)]
-    order = [m for m, o, _ in taken if o is not None]
+    assert [a for m, a in seen if m == "poison"] == [1, 2, 3]
+    assert [a for m, a in seen if m == "flaky"] == [1, 2, 3]
+    assert [o for m, o, _ in source.taken if m == "poison"] == [None, None, "dead"]
+    assert [o for m, o, _ in source.taken if m == "flaky"] == [None, None, "handled"]
+    order = [m for m, o, _ in source.taken if o is not None]
     assert order.index("ok-1") < order.index("poison") < order.index("ok-2")  # the partition waited
     assert order.index("flaky") < order.index("ok-3")
     assert sorted(row.message_id for row in effects(engine)) == ["flaky", "ok-1", "ok-2", "ok-3", "ok-4"]
@@ -405,6 +409,43 @@ def test_a_failing_record_is_taken_again_in_place_until_it_commits_or_is_a_dead_
             select(dead_letters.c.message_id, dead_letters.c.attempts, dead_letters.c.error)
         ).one()
     assert dead.message_id == "poison" and dead.attempts == 3 and "boom" in dead.error
+
+
+def test_a_database_that_cannot_commit_holds_the_record_without_counting_a_failure(pg_url, cluster):
+    """While the offsets' table is locked every transaction fails: the record waits, and none of that
+    counts against it, so a handler's failure then is its first, not a dead letter."""
+    engine = create_engine(pg_url, connect_args={"options": "-c lock_timeout=100ms"})
+    kafka_inbox_app.metadata.create_all(engine)
+    released = threading.Event()
+    failed_once = threading.Event()
+    seen: list[int] = []
+
+    def once_more(session: Session, message: InboxMessage) -> None:
+        if message.id == "second" and released.is_set():
+            seen.append(message.attempt)
+            if not failed_once.is_set():
+                failed_once.set()
+                raise RuntimeError("one failure, after the database is back")
+        kafka_inbox_app.apply(session, message)
+
+    inbox, source = kafka_inbox(cluster, handler=once_more, inbox={"max_failures": 2})
+    try:
+        with serving(Consumer(inbox, sessionmaker(engine), retry_backoff=FAST_RETRY)):
+            produce(cluster, events(0, ["first"]))
+            wait_until(lambda: markers(engine) == 1, what="the first record")
+            with engine.connect() as locker, locker.begin():
+                locker.execute(text("LOCK TABLE outbox_inbox_offset IN ACCESS EXCLUSIVE MODE"))
+                produce(cluster, events(0, ["second"]))
+                wait_until(lambda: sum(m == "second" for m, _, _ in source.taken) >= 4, what="four tries")
+                released.set()  # the handler's next call fails, before the transaction needs the lock
+                wait_until(failed_once.is_set, what="the handler's failure")
+            wait_until(lambda: stored_offsets(engine, "shipping") == {0: 2}, what="the second offset")
+    finally:
+        engine.dispose()
+    outcomes = [o for m, o, _ in source.taken if m == "second"]
+    assert outcomes[-1] == "handled" and set(outcomes[:-1]) == {None}
+    assert seen[0] == 1 and set(seen[1:]) == {2}  # the database's failures were not counted
+    assert [row.message_id for row in effects(engine)] == ["first", "second"]
 
 
 def test_undecodable_records_become_dead_letters_with_their_offsets(db, cluster):
