@@ -43,7 +43,7 @@ INBOX = kafka_inbox_app.inbox.name
 KILL_MESSAGES = int(os.environ.get("OUTBOX_INBOX_KILL_MESSAGES", "10000"))
 KILL_PARTITIONS = 6
 #: SIGKILLs from the test, each when progress passes a random threshold.
-DRIVER_KILLS = 8
+DRIVER_KILLS = 6
 
 
 def consumer_command() -> list[str]:

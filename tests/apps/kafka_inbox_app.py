@@ -132,7 +132,11 @@ if os.environ.get("KAFKA_APP_SERVERS"):
                 os.environ["KAFKA_APP_SERVERS"],
                 os.environ.get("KAFKA_APP_TOPIC", "orders"),
                 os.environ.get("KAFKA_APP_GROUP", "kafka-app"),
-                config={"session.timeout.ms": 1200, "heartbeat.interval.ms": 250, "log_level": 3},
+                config={
+                    "session.timeout.ms": 1200,
+                    "heartbeat.interval.ms": 250,
+                    "log_level": 3,
+                },
             )
         )
     )
