@@ -126,6 +126,18 @@ class MockCluster:
         for broker in range(1, self.brokers + 1):
             LIB.rd_kafka_mock_broker_set_up(self._mc, broker)
 
+    def set_initial_rebalance_delay(self, ms: int) -> None:
+        """How long a new consumer group waits for more members before its first assignment.
+
+        The mock cluster's default is a few seconds (a broker's
+        ``group.initial.rebalance.delay.ms``); tests that start consumers want
+        them assigned at once.
+        """
+        assert LIB is not None
+        function = LIB.rd_kafka_mock_group_initial_rebalance_delay_ms
+        function.restype, function.argtypes = None, [ctypes.c_void_p, ctypes.c_int32]
+        function(self._mc, ms)
+
     def close(self) -> None:
         if LIB is not None and self._mc:
             LIB.rd_kafka_mock_cluster_destroy(self._mc)

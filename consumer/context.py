@@ -245,13 +245,23 @@ class SourceRun:
                 extra={"action": "ack_failed", "source": self._name, "message_id": message.id},
             )
 
-    async def refuse(self, message: InboxMessage, error: BaseException, *, ack: Ack | None = None) -> bool:
+    async def refuse(
+        self,
+        message: InboxMessage,
+        error: BaseException,
+        *,
+        ack: Ack | None = None,
+        before_commit: BeforeCommit | None = None,
+    ) -> bool:
         rt = self._rt
         inbox = rt.inbox
 
         def bury() -> int | None:
             with open_session(rt.sessions) as session, session.begin():
-                return inbox.dead_letter(session, message, error)
+                dead_id = inbox.dead_letter(session, message, error)
+                if before_commit is not None:
+                    before_commit(session)
+                return dead_id
 
         try:
             dead_id = await rt.in_thread(bury)

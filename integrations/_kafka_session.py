@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import threading
 import time
 from typing import Any
@@ -28,7 +29,7 @@ from outbox._redact import Redactor
 
 from ._broker_recovery import PROBE_INTERVAL, Recovery
 
-__all__ = ["ERROR_LOG_INTERVAL", "Report", "Session"]
+__all__ = ["ERROR_LOG_INTERVAL", "Logger", "Report", "Session"]
 
 log = logging.getLogger("outbox.integrations.kafka")
 _librdkafka_log = logging.getLogger("outbox.integrations.kafka.librdkafka")
@@ -37,19 +38,45 @@ _librdkafka_log = logging.getLogger("outbox.integrations.kafka.librdkafka")
 ERROR_LOG_INTERVAL = 60.0
 
 
-class _Logger:
-    """What confluent-kafka's ``logger`` needs (a ``log`` method), masking secrets on the way."""
+class Logger:
+    """What confluent-kafka's ``logger`` needs (a ``log`` method), masking secrets on the way.
+
+    While a broker refuses connections librdkafka logs each failed attempt, an
+    ERROR line many times a second; a warning or error that differs from an
+    earlier one only in its numbers (ports, milliseconds) is logged at most
+    once per ``ERROR_LOG_INTERVAL``, and the next one says how many were left
+    out. Lines below WARNING (``debug`` contexts asked for) all pass.
+    """
 
     def __init__(self, redactor: Redactor) -> None:
         self._redactor = redactor
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
 
     def log(self, level: int, fmt: str, *args: Any) -> None:
-        if _librdkafka_log.isEnabledFor(level):
-            try:
-                text = fmt % args if args else str(fmt)
-            except (TypeError, ValueError):
-                text = " ".join(map(str, (fmt, *args)))
-            _librdkafka_log.log(level, "%s", self._redactor.text(text))
+        if not _librdkafka_log.isEnabledFor(level):
+            return
+        try:
+            text = fmt % args if args else str(fmt)
+        except (TypeError, ValueError):
+            text = " ".join(map(str, (fmt, *args)))
+        if level >= logging.WARNING:
+            kind = _NUMBERS.sub("#", text)
+            now = time.monotonic()
+            if now - self._last.get(kind, -math.inf) < ERROR_LOG_INTERVAL:
+                self._left_out[kind] = self._left_out.get(kind, 0) + 1
+                return
+            if len(self._last) >= _KINDS_KEPT:  # bounded: forget every kind, log each once more
+                self._last.clear()
+            self._last[kind] = now
+            left_out = self._left_out.pop(kind, 0)
+            if left_out:
+                text += f" ({left_out} more like this in the last {ERROR_LOG_INTERVAL:.0f}s not logged)"
+        _librdkafka_log.log(level, "%s", self._redactor.text(text))
+
+
+_NUMBERS = re.compile(r"\d+")
+_KINDS_KEPT = 1000
 
 
 Report = tuple[KafkaError | None, int, int]  # a delivery report: error (None: written), partition, offset
@@ -77,7 +104,7 @@ class Session:
         self._logged: dict[int, float] = {}
         self._refreshing: dict[str, threading.Thread] = {}
         self._refresh_lock = threading.Lock()
-        self.producer = Producer({**config, "error_cb": self._on_error, "logger": _Logger(redactor)})
+        self.producer = Producer({**config, "error_cb": self._on_error, "logger": Logger(redactor)})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="outbox-kafka-reports", daemon=True)
         self._thread.start()

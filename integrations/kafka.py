@@ -73,12 +73,13 @@ from ._kafka_config import (
     secret_values,
     validate_with_librdkafka,
 )
+from ._kafka_consumer import KafkaConsumer
 from ._kafka_session import Report, Session
 
 if TYPE_CHECKING:
     from outbox._breaker_board import BreakerBoard
 
-__all__ = ["KafkaPublisher"]
+__all__ = ["KafkaConsumer", "KafkaPublisher"]
 
 log = logging.getLogger("outbox.integrations.kafka")
 

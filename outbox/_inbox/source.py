@@ -78,11 +78,20 @@ class SourceContext(Protocol):
         """
         ...
 
-    async def refuse(self, message: InboxMessage, error: BaseException, *, ack: Ack | None = None) -> bool:
+    async def refuse(
+        self,
+        message: InboxMessage,
+        error: BaseException,
+        *,
+        ack: Ack | None = None,
+        before_commit: BeforeCommit | None = None,
+    ) -> bool:
         """Record a message the source could not decode as a dead letter, commit, then ``ack``.
 
-        False when the database could not record it: nothing was acknowledged,
-        and the source lets the message come again.
+        ``before_commit`` runs in the dead letter's transaction, as with
+        :meth:`take` (a Kafka offset). False when the database could not
+        record it: nothing was acknowledged, and the source lets the message
+        come again.
         """
         ...
 
