@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -46,11 +47,49 @@ from outbox.ops import MessageFilter, resend
 
 KILL_MESSAGES = int(os.environ.get("OUTBOX_INBOX_KILL_MESSAGES") or 10_000)
 FAULTS = 8  # receiver runs that end in a SIGKILL; the run after them is let finish
+WINDOW = 500  # messages waiting at the sender at most (see Emitter)
 RESENDS = 3  # rounds of resends of delivered messages, while the receiver is being killed
 LOCAL = ["127.0.0.0/8"]
 EVENT, ROUTE = "order.paid", "partner"  # as tests/apps/webhook_sender_app.py routes them
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 m = outbox_message
+
+
+class Emitter(threading.Thread):
+    """Emits ``order.paid`` for orders 0 to KILL_MESSAGES - 1 as the relay makes room, like an application.
+
+    At most WINDOW messages wait at the sender at a time. A backlog of all of
+    them at once would have every outage park thousands of messages (a
+    database write each, as the breaker turns them away) and the test would
+    measure parking instead of receiving.
+    """
+
+    def __init__(self, engine: Engine, hook: str, secret: str) -> None:
+        super().__init__(name="emit", daemon=True)
+        self.engine = engine
+        self.ob = Outbox()  # the emitting side: the route's name is what makes the webhook-id
+        self.ob.route(EVENT, WebhookHandler(hook, secret, allowed_networks=LOCAL), name=ROUTE)
+        self.events: dict[int, uuid.UUID] = {}
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        maker = sessionmaker(self.engine)
+        self.ob.install(maker)
+        try:
+            while len(self.events) < KILL_MESSAGES and not self.stop.is_set():
+                waiting = statuses(self.engine)
+                if waiting["pending"] + waiting["running"] >= WINDOW:
+                    time.sleep(0.05)
+                    continue
+                with maker.begin() as session:
+                    for n in range(len(self.events), min(len(self.events) + 100, KILL_MESSAGES)):
+                        payload = {"order_id": n, "total": f"{n}.00"}
+                        self.events[n] = emit(session, EVENT, payload, key=f"order:{n}")
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.ob.uninstall(maker)
 
 
 def free_port() -> int:
@@ -167,23 +206,15 @@ def test_kills_between_effect_and_answer_never_lose_or_repeat_a_payment(shared, 
     evidence = tmp_path / "evidence"
     evidence.mkdir()
 
-    ob = Outbox()  # the emitting side: the route's name is what makes the webhook-id
-    ob.route(EVENT, WebhookHandler(hook, secret, allowed_networks=LOCAL), name=ROUTE)
-    maker = sessionmaker(engine)
-    ob.install(maker)
-    events: dict[int, uuid.UUID] = {}
-    for first in range(0, KILL_MESSAGES, 1000):
-        with maker.begin() as session:
-            for n in range(first, min(first + 1000, KILL_MESSAGES)):
-                events[n] = emit(session, EVENT, {"order_id": n, "total": f"{n}.00"}, key=f"order:{n}")
-    ob.uninstall(maker)
-
+    emitter = Emitter(engine, hook, secret)
     relay = RelayProcess(
         url,
-        ["--app", "webhook_sender_app:ob"],  # the last --app given wins over relayproc's default
+        # The last --app given wins over relayproc's default. 16 requests at a time keep both busy.
+        ["--app", "webhook_sender_app:ob", "--concurrency", "16"],
         log_path=tmp_path / "relay.log",
         env={"WEBHOOK_URL": hook, "WEBHOOK_SECRET": secret},
     )
+    emitter.start()
     resent: list[uuid.UUID] = []
 
     def resend_some() -> None:
@@ -201,6 +232,9 @@ def test_kills_between_effect_and_answer_never_lose_or_repeat_a_payment(shared, 
         resent.extend(e for _, e in chosen)
 
     def done() -> bool:
+        assert emitter.error is None, f"seed {seed}: emitting failed: {emitter.error!r}"
+        if emitter.is_alive():
+            return False
         resend_some()
         left = statuses(engine)
         assert not left["dead"], f"seed {seed}: {left['dead']} dead at the sender\n{relay.tail()}"
@@ -240,6 +274,8 @@ def test_kills_between_effect_and_answer_never_lose_or_repeat_a_payment(shared, 
             code = receiver.proc.returncode
             assert code == -signal.SIGKILL, f"seed {seed}: the receiver exited {code}\n{receiver.tail()}"
     finally:
+        emitter.stop.set()
+        emitter.join(60)
         relay.signal(signal.SIGTERM)
         relay.wait(60)
         relay.kill()
@@ -248,7 +284,7 @@ def test_kills_between_effect_and_answer_never_lose_or_repeat_a_payment(shared, 
     counts = payments(engine)
     repeated = {k: v for k, v in counts.items() if v > 1}
     assert not repeated, f"seed {seed}: {len(repeated)} orders paid twice, e.g. {list(repeated.items())[:5]}"
-    assert set(counts) == set(events), f"seed {seed}: lost {len(set(events) - set(counts))}"
+    assert set(counts) == set(emitter.events), f"seed {seed}: lost {len(set(emitter.events) - set(counts))}"
     with engine.connect() as conn:
         markers = Counter(conn.scalars(select(outbox_inbox.c.outcome)).all())
     assert markers == {"handled": KILL_MESSAGES}
