@@ -81,7 +81,7 @@ class Emitter(threading.Thread):
             while len(self.events) < KILL_MESSAGES and not self.stop.is_set():
                 waiting = statuses(self.engine)
                 if waiting["pending"] + waiting["running"] >= WINDOW:
-                    time.sleep(0.05)
+                    time.sleep(0.2)  # each look is a count over the whole outbox
                     continue
                 with maker.begin() as session:
                     for n in range(len(self.events), min(len(self.events) + 100, KILL_MESSAGES)):
@@ -267,7 +267,7 @@ def test_kills_between_effect_and_answer_never_lose_or_repeat_a_payment(shared, 
                 wait_until(receiver.started, "the receiver to listen", timeout=60)
                 end = time.monotonic() + rng.uniform(0.3, 3.0) if fault == "outside" else math.inf
                 while receiver.alive() and time.monotonic() < end and not done():
-                    time.sleep(0.1)
+                    time.sleep(0.2)
                 if not receiver.alive():  # its own SIGKILL (anything else fails on its exit code below)
                     own_deaths += fault == "own"
                 elif fault == "outside" and time.monotonic() >= end:
