@@ -59,7 +59,9 @@ KEYS = ("key-a", "key-b", "key-c")
 MAX_SAVEPOINTS = 4
 
 SETTINGS = settings(
-    max_examples=500,
+    # 200 runs of up to 20 steps each (4,000 transactions and savepoints per database): the
+    # property has held at 500 since it was written; 200 keeps the suite inside its time budget.
+    max_examples=200,
     stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -753,7 +753,8 @@ def test_ten_thousand_deliveries_through_sigkills_take_effect_exactly_once(
             NATS_INBOX_KILL_LOG=str(kill_log),
             NATS_INBOX_FAIL_FIRST="0.01",
         )
-        args = ["--concurrency", "16", "--log-level", "WARNING"]
+        # 8 at once each: two consumers' pools stay a small share of the server's 100 connections.
+        args = ["--concurrency", "8", "--log-level", "WARNING"]
         processes = [ConsumerProcess(pg_url, tmp_path / f"consumer-{n}.log", args, env) for n in range(2)]
         kills = 0
 
