@@ -29,6 +29,8 @@ from .inbox import inbox_rows, run_inbox
 from .latency import wake_latency
 from .memory import peak_rss
 from .peers import PEER_MODES, peer_rows, run_peers
+from .pressure import PRESSURE_MODES, pressure_rows, run_pressure, sizes_from
+from .pressure import add_arguments as add_pressure_arguments
 from .scale import add_arguments as add_scale_arguments
 from .scale import scale_mode
 from .scale import targets as scale_targets
@@ -91,10 +93,11 @@ MODES = (
     "kafka",
     "scale",
     "shapes",
+    *PRESSURE_MODES,
 )
-#: What runs without ``--only``: the scale mode takes minutes, and the table-shape prototype
-#: answers a design question rather than measuring this build, so they run only when asked for.
-DEFAULT_MODES = tuple(m for m in MODES if m not in ("scale", "shapes"))
+#: What runs without ``--only``: the scale and pressure modes take many minutes, and the table-shape
+#: prototype answers a design question rather than measuring this build, so they run only when asked.
+DEFAULT_MODES = tuple(m for m in MODES if m not in ("scale", "shapes", *PRESSURE_MODES))
 #: The dashboard's timed pages: JSON key part, table label.
 DASHBOARD_PAGES = (
     ("overview", "overview /"),
@@ -134,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_modes,
         default=DEFAULT_MODES,
         metavar="MODE[,MODE...]",
-        help=f"run only these modes, of: {', '.join(MODES)} (default: all but scale and shapes)",
+        help=f"run only these modes, of: {', '.join(MODES)} (default: all but scale, shapes, pressure-*)",
     )
     p.add_argument(
         "--explain", type=Path, help="write the dashboard mode's EXPLAIN (ANALYZE, BUFFERS) plans here"
@@ -153,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rabbitmq", action="store_true", help="skip the rabbitmq mode")
     p.add_argument("--no-kafka", action="store_true", help="skip the kafka mode (librdkafka's mock cluster)")
     add_scale_arguments(p)
+    add_pressure_arguments(p)
     return p
 
 
@@ -396,6 +400,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
                 batch_size=settings.batch_size,
                 rounds=1 if args.quick else 3,
             )
+        run_pressure(r.mode, out, scratch, sizes=sizes_from(args), settings=settings, want=want)
     finally:
         scratch.close()
     out["settle_seconds"] = round(sum(r.settled.values()), 1)
@@ -658,6 +663,7 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             )
     rows.extend(scale_targets(out))
     rows.extend(shapes_targets(out))
+    rows.extend(pressure_rows(out))
     return rows
 
 

@@ -1,0 +1,432 @@
+"""Issue 34 item 1: a serving relay at a steady offered load while something pins the xmin horizon.
+
+A transaction that holds a transaction id, or a snapshot that stays open,
+stops every vacuum in the cluster from removing a row version newer than it.
+Each claim changes a row from ``pending`` to ``running``, which leaves the old
+version's entry in the claim index (``pending`` rows only) pointing at a
+version nothing may remove yet. Two modes put that pressure on one relay:
+
+- ``pressure-xid``: one session runs ``BEGIN; SELECT txid_current();`` and stays
+  idle in that transaction for the whole pressure phase (an application that
+  forgot to commit, a stuck migration);
+- ``pressure-rr``: :data:`READERS` sessions each scan ``outbox_message`` and
+  ``outbox_attempt`` in a ``REPEATABLE READ`` transaction, one scan after
+  another (reports, exports, an analyst's query).
+
+Each run serves one relay (``--poll-interval 30``, so every delivery is woken
+by NOTIFY) through two phases, ``clean`` then the pressure phase, each made of:
+
+1. load: the benchmark commits one message of the ``latency`` route at a time,
+   on a fixed schedule at the offered rate (one raw ``INSERT`` of the row
+   ``emit()`` writes, autocommit, on one open connection, so the producer
+   keeps up with 1,000 a second on a small machine), and takes ``time.time()``
+   when the commit returns; the handler takes ``time.time()`` first thing;
+2. wake: once the load is delivered, :data:`WAKE_RATE` messages a second for a
+   few seconds to the then idle relay: mode 4's wake-up latency, under the
+   same pressure;
+3. the dead tuples of ``outbox_message`` and ``outbox_attempt``
+   (``pg_stat_user_tables.n_dead_tup``) and the buffers a claim from the
+   front of the queue reads (its ``SELECT`` under ``EXPLAIN (ANALYZE,
+   BUFFERS)``, locking nothing), still under the phase's pressure.
+
+Per phase: offered and completed rates over the load window (handler starts
+inside the window / its length), completion = completed / offered, claim
+latency (commit -> handler start) p50/p99 of the load's messages, and wake
+p50/p99. Targets: completion under pressure >= 95 % of clean, claim p99 <= 2x
+clean, wake p99 <= 5 ms. The check: every message delivered exactly once with
+one history row, one handler start per commit, the relay exits 0, and the
+pressure still held at the end of its phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from sqlalchemy.engine import URL
+
+from .app import EVENTS, ob
+from .drain import RelaySettings
+from .harness import Scratch, conninfo, relays, wait_drained, wait_listening
+from .verify import Expected, Unverified, check_delivered, percentile, read_traces
+
+__all__ = ["PHASES", "PRESSURE_MODES", "PressureSizes", "add_arguments", "pressure", "sizes_from"]
+
+#: What ``--only`` accepts for this module; neither runs by default (each takes many minutes).
+PRESSURE_MODES = ("pressure-xid", "pressure-rr")
+PHASES = ("clean", "pressure")
+#: Concurrent REPEATABLE READ readers in ``pressure-rr``.
+READERS = 4
+#: Messages a second while the wake-up latency is measured (mode 4's rate).
+WAKE_RATE = 20.0
+#: The targets (issue 34 item 1).
+COMPLETION_MIN = 0.95
+CLAIM_P99_MAX_RATIO = 2.0
+WAKE_P99_MAX_MS = 5.0
+
+_INSERT = """
+INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,
+                            max_attempts, available_at, created_at, updated_at)
+VALUES (gen_random_uuid(), %(event_type)s, 'latency', %(queue)s, %(priority)s,
+        jsonb_build_object('n', %(n)s::int), '{}'::jsonb, %(max_attempts)s, now(), now(), now())
+"""
+_DEAD = """
+SELECT relname, n_dead_tup FROM pg_stat_user_tables
+ WHERE relname IN ('outbox_message', 'outbox_attempt')
+"""
+#: The claim's scan from the front (relay/sql_postgresql.py), without its lock or its update.
+_FRONT_SCAN = """
+EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
+SELECT c.id FROM outbox_message c
+ WHERE c.status = 'pending' AND c.queue = %(queue)s AND c.handler = 'latency'
+   AND (c.priority, c.id) >= (-2147483648, 0) AND c.available_at <= now()
+ ORDER BY c.priority, c.id LIMIT 250
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class PressureSizes:
+    rate: float = 1000.0
+    clean_seconds: float = 120.0
+    pressure_seconds: float = 600.0
+    wake_seconds: float = 10.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pressure-rate", type=float, default=1000.0, help="pressure modes: offered msg/s (default: 1000)"
+    )
+    p.add_argument(
+        "--pressure-seconds",
+        type=float,
+        default=600.0,
+        help="pressure modes: length of the pressure phase's load (default: 600, the issue's 10 minutes)",
+    )
+    p.add_argument(
+        "--pressure-clean-seconds",
+        type=float,
+        default=120.0,
+        help="pressure modes: length of the clean phase's load (default: 120)",
+    )
+    p.add_argument(
+        "--pressure-wake-seconds",
+        type=float,
+        default=10.0,
+        help=f"pressure modes: seconds of wake-up samples per phase, at {WAKE_RATE:g}/s (default: 10)",
+    )
+
+
+def sizes_from(args: argparse.Namespace) -> PressureSizes:
+    for flag in ("pressure_rate", "pressure_seconds", "pressure_clean_seconds", "pressure_wake_seconds"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"bench: --{flag.replace('_', '-')} must be positive")
+    return PressureSizes(
+        rate=args.pressure_rate,
+        clean_seconds=args.pressure_clean_seconds,
+        pressure_seconds=args.pressure_seconds,
+        wake_seconds=args.pressure_wake_seconds,
+    )
+
+
+# -- the pressure ------------------------------------------------------------------------------
+
+
+@contextmanager
+def _held_xid(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
+    """A session idle in a transaction that holds an xid, for the block; yields its final check."""
+    conn = psycopg.connect(conninfo(url))
+    try:
+        row = conn.execute("SELECT txid_current()").fetchone()
+        assert row is not None
+
+        def check() -> dict[str, Any]:
+            try:  # the same transaction, still open: the horizon was held all along
+                again = conn.execute("SELECT txid_current()").fetchone()
+            except psycopg.Error as exc:
+                raise Unverified(f"the held transaction ended early: {exc}") from exc
+            if again is None or again[0] != row[0]:
+                raise Unverified("the held transaction changed under the phase")
+            return {"held_xid": row[0]}
+
+        yield check
+    finally:
+        conn.close()  # rolls back
+
+
+@contextmanager
+def _readers(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
+    """:data:`READERS` sessions scanning both tables in REPEATABLE READ, back to back, for the block."""
+    stop = threading.Event()
+    scans = [0] * READERS
+    errors: list[BaseException] = []
+
+    def read(slot: int) -> None:
+        try:
+            with psycopg.connect(conninfo(url)) as conn:
+                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                while not stop.is_set():
+                    with conn.transaction():
+                        conn.execute("SELECT count(*), max(length(payload::text)) FROM outbox_message")
+                        conn.execute("SELECT count(*), max(finished_at) FROM outbox_attempt")
+                    scans[slot] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(READERS)]
+    for t in threads:
+        t.start()
+
+    def check() -> dict[str, Any]:
+        if errors:
+            raise Unverified(f"a reader failed: {errors[0]!r}")
+        if min(scans) == 0:
+            raise Unverified(f"a reader never finished a scan: {scans}")
+        return {"reader_scans": sum(scans)}
+
+    try:
+        yield check
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+
+PRESSURES = {"pressure-xid": _held_xid, "pressure-rr": _readers}
+
+
+# -- the load ----------------------------------------------------------------------------------
+
+
+class _Producer:
+    """Commits one ``latency`` message at a time on a fixed schedule; remembers each commit's time."""
+
+    def __init__(self, url: URL) -> None:
+        spec = ob.get_route("latency")
+        self._params: dict[str, Any] = {
+            "event_type": EVENTS["latency"],
+            "queue": spec.queue,
+            "priority": spec.priority,
+            "max_attempts": spec.max_attempts,
+        }
+        self.queue = spec.queue
+        self._conn = psycopg.connect(conninfo(url), autocommit=True)
+        self.committed: dict[int, float] = {}
+
+    def offer(self, rate: float, seconds: float) -> tuple[range, float, float]:
+        """``rate`` messages a second for ``seconds``; returns their numbers and the window."""
+        first = len(self.committed)
+        count = max(1, round(rate * seconds))
+        began = time.monotonic()
+        window_start = time.time()
+        for i in range(count):
+            pause = began + i / rate - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            self._conn.execute(_INSERT, {**self._params, "n": first + i}, prepare=True)
+            self.committed[first + i] = time.time()
+        return range(first, first + count), window_start, time.time()
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _server_facts(url: URL, queue: str) -> dict[str, Any]:
+    time.sleep(1.0)  # backends report their counts to the statistics at most once a second
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        dead: dict[str, int] = dict(conn.execute(_DEAD).fetchall())
+        row = conn.execute(_FRONT_SCAN, {"queue": queue}).fetchone()
+    assert row is not None
+    plan = row[0][0]
+    top = plan["Plan"]
+    return {
+        "dead_message": int(dead.get("outbox_message", 0)),
+        "dead_attempt": int(dead.get("outbox_attempt", 0)),
+        "front_scan_buffers": int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0)),
+        "front_scan_ms": float(plan["Execution Time"]),
+    }
+
+
+def _phase(
+    url: URL,
+    producer: _Producer,
+    procs: list[Any],
+    sizes: PressureSizes,
+    seconds: float,
+) -> dict[str, Any]:
+    load, start, end = producer.offer(sizes.rate, seconds)
+    wait_drained(url, len(producer.committed), procs, 120.0 + len(producer.committed) / 100)
+    wake, _, _ = producer.offer(WAKE_RATE, sizes.wake_seconds)
+    wait_drained(url, len(producer.committed), procs, 60.0)
+    return {"load": load, "window": (start, end), "wake": wake, **_server_facts(url, producer.queue)}
+
+
+def pressure(scratch: Scratch, *, kind: str, sizes: PressureSizes, settings: RelaySettings) -> dict[str, Any]:
+    """One relay through the clean phase, then ``kind``'s pressure phase; figures per phase, verified."""
+    if kind not in PRESSURES:
+        raise ValueError(f"kind must be one of {tuple(PRESSURES)}, not {kind!r}")
+    purpose = kind.replace("-", "_")
+    url = scratch.postgres(purpose)
+    workdir = scratch.subdir(purpose)
+    samples = workdir / "handler-starts.txt"
+    env = {"BENCH_TRACE_DIR": str(workdir), "BENCH_LATENCY_FILE": str(samples)}
+    producer = _Producer(url)
+    phases: dict[str, dict[str, Any]] = {}
+    held: dict[str, Any] = {}
+    try:
+        with relays(url, 1, settings.args(poll_interval=30.0), workdir=workdir, env=env) as procs:
+            wait_listening(url, procs)
+            phases["clean"] = _phase(url, producer, procs, sizes, sizes.clean_seconds)
+            with PRESSURES[kind](url) as still_held:
+                phases["pressure"] = _phase(url, producer, procs, sizes, sizes.pressure_seconds)
+                held = still_held()
+            procs[0].stop()
+    finally:
+        producer.close()
+    committed = producer.committed
+    expected = Expected(len(committed), relays=[procs[0].name])
+    check_delivered(url, expected)
+    read_traces(workdir, "latency", expected)
+    started: dict[int, float] = {}
+    for line in samples.read_text().splitlines():
+        n_text, at = line.split()
+        if int(n_text) in started:
+            raise Unverified(f"handler started twice for n={n_text}")
+        started[int(n_text)] = float(at)
+    if set(started) != set(committed):
+        raise Unverified(f"{len(started)} handler starts recorded for {len(committed)} commits")
+    result: dict[str, Any] = {"kind": kind, "messages": len(committed), **held}
+    for name, phase in phases.items():
+        result[name] = _figures(phase, committed, started)
+    return result
+
+
+def _figures(phase: dict[str, Any], committed: dict[int, float], started: dict[int, float]) -> dict[str, Any]:
+    start, end = phase["window"]
+    span = end - start
+    load: range = phase["load"]
+    completed = sum(1 for at in started.values() if start <= at <= end)
+    claim = [(started[n] - committed[n]) * 1000 for n in load]
+    wake = [(started[n] - committed[n]) * 1000 for n in phase["wake"]]
+    offered = len(load) / span
+    return {
+        "seconds": round(span, 1),
+        "offered_per_s": round(offered, 1),
+        "completed_per_s": round(completed / span, 1),
+        "completion": round(completed / span / offered, 4),
+        "claim_ms_p50": round(percentile(claim, 50), 2),
+        "claim_ms_p99": round(percentile(claim, 99), 2),
+        "claim_ms_max": round(max(claim), 2),
+        "wake_ms_p50": round(percentile(wake, 50), 2),
+        "wake_ms_p99": round(percentile(wake, 99), 2),
+        "dead_message": phase["dead_message"],
+        "dead_attempt": phase["dead_attempt"],
+        "front_scan_buffers": phase["front_scan_buffers"],
+        "front_scan_ms": round(phase["front_scan_ms"], 2),
+    }
+
+
+# -- the report --------------------------------------------------------------------------------
+
+Mode = Callable[[str, Callable[[], dict[str, Any]]], dict[str, Any] | None]
+
+
+def run_pressure(
+    mode: Mode,
+    out: dict[str, Any],
+    scratch: Scratch,
+    *,
+    sizes: PressureSizes,
+    settings: RelaySettings,
+    want: Callable[[str], bool],
+) -> None:
+    """The pressure modes asked for, as modes of one bench run; flat keys ``pressure_<kind>_<phase>_*``."""
+    for kind in PRESSURE_MODES:
+        if not want(kind):
+            continue
+        prefix = kind.replace("-", "_")
+        out[f"{prefix}_rate"] = sizes.rate
+        out[f"{prefix}_seconds"] = {"clean": sizes.clean_seconds, "pressure": sizes.pressure_seconds}
+        result = mode(
+            f"{kind} ({sizes.rate:g} msg/s, {sizes.clean_seconds:g} s clean, "
+            f"{sizes.pressure_seconds:g} s under pressure)",
+            lambda kind=kind: pressure(scratch, kind=kind, sizes=sizes, settings=settings),  # type: ignore[misc]
+        )
+        if result:
+            out.update(flatten(prefix, result))
+
+
+def flatten(prefix: str, result: dict[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {f"{prefix}_messages": result["messages"]}
+    for phase in PHASES:
+        for key, value in result[phase].items():
+            flat[f"{prefix}_{phase}_{key}"] = value
+    clean, hold = result["clean"], result["pressure"]
+    flat[f"{prefix}_completion_vs_clean"] = round(hold["completion"] / clean["completion"], 3)
+    flat[f"{prefix}_claim_p99_vs_clean"] = round(hold["claim_ms_p99"] / clean["claim_ms_p99"], 2)
+    return flat
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else f"{value:{spec}}"
+
+
+def pressure_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Per mode that ran: each phase's figures, then the three targets with their verdicts."""
+    from .verdicts import verdict
+
+    rows: list[tuple[str, str, str, str]] = []
+    for kind in PRESSURE_MODES:
+        prefix = kind.replace("-", "_")
+        if f"{prefix}_rate" not in out:
+            continue
+        for phase in PHASES:
+            k = f"{prefix}_{phase}_"
+            rows.append(
+                (
+                    f"34 {kind}, {phase}",
+                    f"{_fmt(out.get(k + 'completed_per_s'), ',.0f')} of "
+                    f"{_fmt(out.get(k + 'offered_per_s'), ',.0f')} msg/s; claim p50/p99 "
+                    f"{_fmt(out.get(k + 'claim_ms_p50'), '.1f')}/"
+                    f"{_fmt(out.get(k + 'claim_ms_p99'), '.1f')} ms; "
+                    f"wake p99 {_fmt(out.get(k + 'wake_ms_p99'), '.1f')} ms; dead tuples "
+                    f"{_fmt(out.get(k + 'dead_message'), ',d')} msg / "
+                    f"{_fmt(out.get(k + 'dead_attempt'), ',d')} "
+                    f"history; front scan {_fmt(out.get(k + 'front_scan_buffers'), ',d')} buffers",
+                    "",
+                    "-",
+                )
+            )
+        completion = out.get(f"{prefix}_completion_vs_clean")
+        ratio = out.get(f"{prefix}_claim_p99_vs_clean")
+        wake = out.get(f"{prefix}_pressure_wake_ms_p99")
+        rows.append(
+            (
+                f"34 {kind}, completion / clean",
+                _fmt(None if completion is None else 100 * completion, ".1f") + " %",
+                f">= {100 * COMPLETION_MIN:.0f} %",
+                verdict(None if completion is None else completion >= COMPLETION_MIN),
+            )
+        )
+        rows.append(
+            (
+                f"34 {kind}, claim p99 / clean",
+                _fmt(ratio, ".2f"),
+                f"<= {CLAIM_P99_MAX_RATIO:g}",
+                verdict(None if ratio is None else ratio <= CLAIM_P99_MAX_RATIO),
+            )
+        )
+        rows.append(
+            (
+                f"34 {kind}, wake p99 under pressure",
+                f"{_fmt(wake, '.2f')} ms",
+                f"<= {WAKE_P99_MAX_MS:g} ms",
+                verdict(None if wake is None else wake <= WAKE_P99_MAX_MS),
+            )
+        )
+    return rows

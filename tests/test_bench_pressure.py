@@ -1,0 +1,114 @@
+"""The bench's pressure modes (issue 34 item 1), run for real for a few seconds each.
+
+One relay serves a steady load through a clean phase, then through a phase in
+which a transaction holds an xid (``pressure-xid``) or REPEATABLE READ readers
+scan the outbox tables (``pressure-rr``). The assertions are on the report's
+shape and on the checks behind it (every message delivered exactly once, the
+pressure still held at the end of its phase), never on timings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from bench.__main__ import _parser
+from bench.drain import RelaySettings
+from bench.harness import Scratch, conninfo
+from bench.pressure import PHASES, PRESSURE_MODES, PressureSizes, pressure_rows, run_pressure, sizes_from
+from bench.verify import Expected, Unverified, check_delivered
+
+pytestmark = pytest.mark.postgres
+
+SIZES = PressureSizes(rate=100.0, clean_seconds=2.0, pressure_seconds=2.0, wake_seconds=1.0)
+SETTINGS = RelaySettings(concurrency=40, batch_size=20)
+FIGURES = (
+    "offered_per_s",
+    "completed_per_s",
+    "completion",
+    "claim_ms_p50",
+    "claim_ms_p99",
+    "wake_ms_p50",
+    "wake_ms_p99",
+    "dead_message",
+    "dead_attempt",
+    "front_scan_buffers",
+)
+
+
+def _run_modes(names: list[str]) -> Callable[[str, Callable[[], dict[str, Any]]], dict[str, Any] | None]:
+    """Stands in for the bench's ``Run.mode``, minus its error handling: a failure fails the test."""
+
+    def mode(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        names.append(name)
+        return fn()
+
+    return mode
+
+
+@pytest.mark.parametrize("kind", PRESSURE_MODES)
+def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
+    scratch: Scratch, kind: str
+) -> None:
+    names: list[str] = []
+    out: dict[str, Any] = {}
+
+    run_pressure(_run_modes(names), out, scratch, sizes=SIZES, settings=SETTINGS, want=kind.__eq__)
+
+    assert len(names) == 1 and names[0].startswith(kind)
+    prefix = kind.replace("-", "_")
+    # Two loads of 200 and two wake samples of 20, numbered in one sequence.
+    messages = out[f"{prefix}_messages"]
+    assert messages == 2 * (200 + 20)
+    for phase in PHASES:
+        for figure in FIGURES:
+            assert out[f"{prefix}_{phase}_{figure}"] is not None, (phase, figure)
+        assert out[f"{prefix}_{phase}_offered_per_s"] > 0
+        assert 0 < out[f"{prefix}_{phase}_completion"]
+        assert out[f"{prefix}_{phase}_claim_ms_p50"] <= out[f"{prefix}_{phase}_claim_ms_p99"]
+        assert out[f"{prefix}_{phase}_front_scan_buffers"] >= 1
+    # Every claim leaves a dead version of its row; nothing removes it while the horizon is held.
+    assert out[f"{prefix}_pressure_dead_message"] > 0
+    assert out[f"{prefix}_completion_vs_clean"] > 0 and out[f"{prefix}_claim_p99_vs_clean"] > 0
+    rows = pressure_rows(out)
+    assert [r[0] for r in rows] == [
+        f"34 {kind}, clean",
+        f"34 {kind}, pressure",
+        f"34 {kind}, completion / clean",
+        f"34 {kind}, claim p99 / clean",
+        f"34 {kind}, wake p99 under pressure",
+    ]
+    assert all(r[3] in ("PASS", "FAIL") for r in rows[2:])
+    # The figures came from a run the bench's own check accepted, and that check refuses a duplicate.
+    url = scratch.server.set(database=f"{scratch.tag}_{prefix}")
+    facts = check_delivered(url, Expected(messages, relays=["relay1"]))
+    assert facts["history_rows"] == messages
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
+            " max_attempts, available_at, created_at, updated_at)"
+            " SELECT gen_random_uuid(), event_type, handler, queue, priority, payload, headers,"
+            " max_attempts, now(), now(), now() FROM outbox_message ORDER BY id LIMIT 1"
+        )
+    with pytest.raises(Unverified):
+        check_delivered(url, Expected(messages, relays=["relay1"]))
+
+
+def test_a_pressure_mode_runs_only_when_asked_for() -> None:
+    from bench.__main__ import DEFAULT_MODES, MODES
+
+    assert set(PRESSURE_MODES) <= set(MODES)
+    assert not set(PRESSURE_MODES) & set(DEFAULT_MODES)
+    assert pressure_rows({}) == []
+
+
+def test_the_phase_lengths_come_from_flags_and_must_be_positive() -> None:
+    args = _parser().parse_args(["--pressure-seconds", "120", "--pressure-clean-seconds", "60"])
+    sizes = sizes_from(args)
+    assert (sizes.rate, sizes.clean_seconds, sizes.pressure_seconds) == (1000.0, 60.0, 120.0)
+    assert sizes_from(_parser().parse_args([])).pressure_seconds == 600.0
+    with pytest.raises(SystemExit, match="--pressure-seconds must be positive"):
+        sizes_from(_parser().parse_args(["--pressure-seconds", "0"]))
