@@ -18,15 +18,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
-
 from outbox import ConfigurationError, Inbox
 from outbox._argparse import OneLineParser
 from outbox._load_app import load_app
-from outbox._urls import check_url
-from outbox._write.payload import text_problem
-from outbox.relay.cli import _env, _number, _text
+from outbox.relay.cli import _env, _number, _text, require_app_and_database
 from outbox.relay.logs import configure
 
 from .metrics import ConsumerMetrics
@@ -87,20 +82,7 @@ def _parser() -> OneLineParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not args.app:
-        parser.error("--app is required (or set OUTBOX_APP)")
-    if not args.database_url:
-        parser.error("--database-url is required (or set OUTBOX_DATABASE_URL)")
-    if text_problem(args.database_url):
-        parser.error("--database-url is not valid UTF-8 text")
-    try:
-        make_url(args.database_url)
-    except ArgumentError:
-        parser.error(f"--database-url {args.database_url!r} is not a SQLAlchemy database URL")
-    try:
-        check_url(args.database_url)
-    except ConfigurationError as exc:
-        parser.error(f"--database-url: {exc}")
+    require_app_and_database(parser, args)
     configure(args.log_level, args.log_format)
     metrics = None
     try:

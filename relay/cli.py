@@ -47,7 +47,7 @@ from .relay import Relay
 from .settings import DEFAULT_CONCURRENCY
 from .startup import DatabaseUnavailable
 
-__all__ = ["load_app", "main"]
+__all__ = ["load_app", "main", "require_app_and_database"]
 
 PROG = "outbox-relay"
 
@@ -243,9 +243,8 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+def require_app_and_database(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--app`` and a usable ``--database-url``, or one line and exit 2 (``outbox-consumer`` too)."""
     if not args.app:
         parser.error("--app is required (or set OUTBOX_APP)")
     if not args.database_url:
@@ -260,6 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_url(args.database_url)
     except ConfigurationError as exc:
         parser.error(f"--database-url: {exc}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    require_app_and_database(parser, args)
     if args.queues is None and args.env_queues:
         try:
             args.env_queues = [_name("queue")(q) for q in args.env_queues]
