@@ -88,6 +88,10 @@ def test_the_inbox_lists_dead_letters_newest_first_filtered_by_consumer_and_stat
     ops.requeue_inbox_dead_letter(letters.engine, ids["m1"], actor="ana", reason="r")
     assert listed(reader.get("/inbox?consumer=billing").text) == [ids["m2"]]  # the default: dead ones
     assert listed(reader.get("/inbox?consumer=billing&status=requeued").text) == [ids["m1"]]
+    # The first thing on the page: how many wait for a decision, whatever the status filter shows.
+    requeued_view = reader.get("/inbox?consumer=billing&status=requeued").text
+    assert '<span class="n" data-count="waiting">1</span>' in requeued_view
+    assert '<span class="n" data-count="waiting">2</span>' in reader.get("/inbox").text
     assert listed(reader.get("/inbox?status=any").text) == [ids["m3"], ids["m2"], ids["m1"]]
     assert listed(reader.get("/inbox?consumer=nobody").text) == []
     assert "No dead letter matches." in reader.get("/inbox?consumer=nobody").text

@@ -71,10 +71,14 @@ def _listing(engine: Any, query: dict[str, Any], page_size: int, secrets: tuple[
     )
     more = len(letters) > page_size
     letters = letters[:page_size]
+    count = ops.count_inbox_dead_letters(engine, consumer=consumer, status=status)
+    # What on-call looks for first: how many wait for a decision (the default filter's count).
+    waiting = count if status == "dead" else ops.count_inbox_dead_letters(engine, consumer=consumer)
     return {
         "letters": letters,
         "next_url": _url(query, before_id=letters[-1].id) if more else None,
-        "count": ops.count_inbox_dead_letters(engine, consumer=consumer, status=status),
+        "count": count,
+        "waiting": waiting,
     }
 
 
