@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from outbox import ConfigurationError, Inbox
 from outbox._argparse import OneLineParser
 from outbox._load_app import load_app
-from outbox.relay.cli import _env, _number, _text, require_app_and_database
+from outbox.relay.cli import _env, _number, add_log_flags, add_metrics_flags, require_app_and_database
 from outbox.relay.logs import configure
 
 from .metrics import ConsumerMetrics
@@ -57,25 +57,8 @@ def _parser() -> OneLineParser:
         default=_env("GRACE_PERIOD") or 30.0,
         help="seconds the messages in hand get to finish after SIGTERM (default: 30)",
     )
-    p.add_argument(
-        "--metrics-port",
-        type=_number(int, 0, inclusive=True, high=65535),
-        default=_env("METRICS_PORT"),
-        help="serve Prometheus /metrics, /healthz and /readyz on this port (needs the metrics extra)",
-    )
-    p.add_argument(
-        "--metrics-host",
-        type=_text,
-        default=_env("METRICS_HOST") or "127.0.0.1",
-        help="address for --metrics-port (default: 127.0.0.1; 0.0.0.0 in a container)",
-    )
-    p.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        default=(_env("LOG_LEVEL") or "INFO").upper(),
-    )
-    p.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT") or "text")
+    add_metrics_flags(p)
+    add_log_flags(p)
     return p
 
 

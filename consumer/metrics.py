@@ -12,13 +12,12 @@ import time
 
 from outbox import ConfigurationError
 from outbox._health_http import HealthServer
+from outbox.relay.metrics import DURATION_BUCKETS
 
 __all__ = ["ConsumerMetrics", "OUTCOMES"]
 
 #: ``outbox_inbox_messages_total``'s outcome label: the four committed outcomes, and two that are not.
 OUTCOMES = ("handled", "duplicate", "unhandled", "dead", "failed", "error")
-
-_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class ConsumerMetrics:
@@ -41,7 +40,7 @@ class ConsumerMetrics:
             "outbox_inbox_process_seconds",
             "One delivery's transaction: marker, handlers and commit",
             ["inbox", "source"],
-            buckets=_DURATION_BUCKETS,
+            buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
         self.in_flight = Gauge(

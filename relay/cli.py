@@ -47,7 +47,7 @@ from .relay import Relay
 from .settings import DEFAULT_CONCURRENCY
 from .startup import DatabaseUnavailable
 
-__all__ = ["load_app", "main", "require_app_and_database"]
+__all__ = ["add_log_flags", "add_metrics_flags", "load_app", "main", "require_app_and_database"]
 
 PROG = "outbox-relay"
 
@@ -118,6 +118,33 @@ def _queue_limit(value: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"expected QUEUE=N, got {shown(value)}")
     limit = _number(int, 1, inclusive=True)(number.strip())
     return _name("queue")(name.strip()), int(limit)
+
+
+def add_metrics_flags(p: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-host``, as ``outbox-relay`` and ``outbox-consumer`` take them."""
+    p.add_argument(
+        "--metrics-port",
+        type=_number(int, 0, inclusive=True, high=65535),
+        default=_env("METRICS_PORT"),
+        help="serve Prometheus /metrics, /healthz and /readyz on this port (needs the metrics extra)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        type=_text,
+        default=_env("METRICS_HOST") or "127.0.0.1",
+        help="address for --metrics-port (default: 127.0.0.1; 0.0.0.0 in a container)",
+    )
+
+
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format``, as ``outbox-relay`` and ``outbox-consumer`` take them."""
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default=(_env("LOG_LEVEL") or "INFO").upper(),
+    )
+    p.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT") or "text")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -200,26 +227,9 @@ def _parser() -> argparse.ArgumentParser:
         default=bool(_env("NO_LISTEN")),
         help="poll only, no LISTEN/NOTIFY (for pgbouncer in transaction pooling mode)",
     )
-    p.add_argument(
-        "--metrics-port",
-        type=_number(int, 0, inclusive=True, high=65535),
-        default=_env("METRICS_PORT"),
-        help="serve Prometheus /metrics, /healthz and /readyz on this port (needs the metrics extra)",
-    )
-    p.add_argument(
-        "--metrics-host",
-        type=_text,
-        default=_env("METRICS_HOST") or "127.0.0.1",
-        help="address for --metrics-port (default: 127.0.0.1; 0.0.0.0 in a container)",
-    )
+    add_metrics_flags(p)
     p.add_argument("--once", action="store_true", help="deliver what is due now, then exit")
-    p.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        default=(_env("LOG_LEVEL") or "INFO").upper(),
-    )
-    p.add_argument("--log-format", choices=("text", "json"), default=_env("LOG_FORMAT") or "text")
+    add_log_flags(p)
     return p
 
 

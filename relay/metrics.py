@@ -27,7 +27,7 @@ from outbox._tables import status_is_one_of
 
 from .outcomes import Completion
 
-__all__ = ["RelayMetrics"]
+__all__ = ["DURATION_BUCKETS", "RelayMetrics"]
 
 m = outbox_message
 
@@ -51,7 +51,7 @@ _LATENCY_BUCKETS = (
     900,
     3600,
 )
-_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class RelayMetrics:
@@ -73,7 +73,7 @@ class RelayMetrics:
             "outbox_attempt_duration_seconds",
             "How long handlers ran",
             ["handler"],
-            buckets=_DURATION_BUCKETS,
+            buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
         # created_at is when the row was written: on PostgreSQL now(), the start of the
