@@ -275,7 +275,7 @@ class Consumer:
             await asyncio.sleep(HOUSEKEEPING_INTERVAL)
             try:
                 if requeue:
-                    results = await rt.in_thread(self._requeued, rt)
+                    results = await rt.in_thread(self.inbox.process_requeued, self.sessions)
                     for result in results:
                         self._count_requeued(result)
                 else:
@@ -289,9 +289,6 @@ class Consumer:
                 log.warning("database check failed: %s", first_line(exc), extra={"action": "db_error"})
             else:
                 rt.database_ok()
-
-    def _requeued(self, rt: Runtime) -> list[Processed]:
-        return self.inbox.process_requeued(self.sessions)
 
     def _count_requeued(self, result: Processed) -> None:
         """Counted; the line for each is ``process_requeued``'s own."""
