@@ -1,70 +1,140 @@
-"""Where in a queue the next claim starts scanning, while a backlog lasts.
+"""Where in a queue the next claim starts scanning.
 
 On PostgreSQL an update leaves the row's old entry in the claim index
 (``ix_outbox_message_claim``: pending rows in ``(queue, priority, id)``
-order) until a vacuum removes it. A claim that scans from the front of that
-index steps over the entry of every row claimed since the last vacuum:
-late in a drain of a million messages that is thousands of index pages a
-claim, and the drain slows as it goes. Autovacuum cannot keep up, because it
-visits a database at most once per ``autovacuum_naptime``.
+order) until a vacuum removes it, and a vacuum may remove it only once no
+transaction could still see the old version. A claim that scans from the
+front of that index steps over the entry of every row claimed since: late in
+a drain of a million messages that is thousands of index pages a claim; while
+a transaction holds back the xmin horizon (an idle ``BEGIN``, a long
+REPEATABLE READ report) it grows with every second of the hold, and the
+claim, not the handlers, becomes the bottleneck.
 
-So while a queue has a backlog (the last claim came back full), the next
-claim starts at the first row the last one took, and steps over only the
-entries of rows claimed since. What sorts before that position and is still
-claimable (a retry that came due, a transaction that took its id early and
-committed late, a row of a higher priority, the next row of a group whose
-previous one finished, a recovered lease, a claim another relay released)
-is picked up by a claim from the front, which is made:
+So a claim starts at a position, ``(priority, id)``, and steps over only the
+entries of rows claimed since. The position is the first row the last claim
+of the queue took; after a claim that took nothing, the end of the queue.
 
-* whenever the last claim came back short (the backlog above the position
-  ran out, or there was none),
-* at least every :data:`FRONT_SCAN_EVERY` seconds while a backlog lasts.
+What sorts before the position and is claimable must reach a claim. A relay
+that does not listen (``--no-listen``, SQLite, a drain) hears nothing, so it
+keeps a position only while a backlog lasts (the last claim came back full)
+and claims from the front otherwise. A listening relay keeps its positions
+and moves them back on what it hears or does:
 
-A row can therefore wait at most that long behind the position, during a
-backlog in which rows behind it wait far longer. Per-group order is kept
-regardless: a grouped row is claimable only once no earlier row of its group
-is unfinished, wherever the scan starts.
+* a NOTIFY names the first row a commit inserted into a queue
+  (migration ``outbox_0023``): the position moves back to it, so an id taken
+  early by a transaction that commits late is claimed at once;
+* a NOTIFY without a position (an operator's requeue, retry-now, unpause or
+  unpark, a relay's release at shutdown, a trigger older than ``outbox_0023``),
+  a lease this relay recovered, and a LISTEN connection that is new or came
+  back: every position goes back to the front;
+* a retry this relay wrote, when it comes due, and a grouped message it
+  finished (the group's next message may now be claimed): back to that row.
+
+What is left is what a claim stepped over without taking: a message whose
+``emit(delay=...)`` had not passed, a row another relay's claim held locked
+at that instant, a group member whose predecessor another relay finished. A
+claim from the front takes those; one runs at least every
+:data:`FRONT_SCAN_EVERY` seconds (or the relay's ``poll_interval``, if
+shorter), and while the front is costly (a held transaction) no more than
+about one percent of the time, at most every :data:`FRONT_SCAN_MAX` seconds.
+Per-group order is kept regardless: a grouped row is claimable only once no
+earlier row of its group is unfinished, wherever the scan starts.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from outbox._routes import PRIORITY_RANGE
 
-__all__ = ["FRONT", "FRONT_SCAN_EVERY", "ClaimPositions", "Position"]
+__all__ = ["END", "FRONT", "FRONT_SCAN_EVERY", "FRONT_SCAN_MAX", "ClaimPositions", "Position"]
 
-#: The longest a claimable row can wait behind the position of a queue's claims.
+#: The longest a row stepped over waits for a claim from the front, while the front is cheap.
 FRONT_SCAN_EVERY: Final = 1.0
+
+#: The longest it waits while a held transaction makes the front costly.
+FRONT_SCAN_MAX: Final = 10.0
+
+#: How many times its own duration apart claims from the front run, at least.
+_FRONT_SCAN_SPACING: Final = 100.0
 
 #: The position before every row: a claim from the front of its queue.
 FRONT: Final = (PRIORITY_RANGE[0], 0)
+
+#: The position after every row: nothing is claimable from here on until something is heard.
+END: Final = (PRIORITY_RANGE[1], 2**63 - 1)
 
 #: (priority, id) of the first row a claim may take; None: the front of the queue.
 Position = tuple[int, int] | None
 
 
 class ClaimPositions:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, poll_interval: float = 1.0) -> None:
         self._clock = clock
+        #: a relay polling more often than FRONT_SCAN_EVERY claims from the front as often, while cheap
+        self._poll_interval = poll_interval
         self._at: dict[str, tuple[int, int]] = {}
         self._front_scanned: dict[str, float] = {}
+        self._front_every: dict[str, float] = {}
+        #: retries this relay wrote: (when due, queue, position), soonest first
+        self._due: list[tuple[float, str, tuple[int, int]]] = []
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        """Whether positions are kept between claims (the relay listens)."""
+        return self._held
+
+    def hold(self, listening: bool) -> None:
+        """Keep positions between claims only while listening: a relay that stops hearing forgets them."""
+        if self._held and not listening:
+            self._at.clear()
+            self._due.clear()
+        self._held = listening
 
     def start(self, queue: str) -> Position:
         """Where the next claim of ``queue`` starts."""
+        now = self._clock()
+        while self._due and self._due[0][0] <= now:
+            _, due_queue, due = heapq.heappop(self._due)
+            self.lower(due_queue, due)
         position = self._at.get(queue)
-        if position is None or self._clock() - self._front_scanned.get(queue, 0.0) >= FRONT_SCAN_EVERY:
+        if position is None:
+            return None
+        every = self._front_every.get(queue, 0.0)
+        if now - self._front_scanned.get(queue, float("-inf")) >= every:
             return None
         return position
 
-    def claimed(self, queue: str, started: Position, rows: Sequence[Any], limit: int) -> None:
-        """Record a claim that started at ``started`` and took ``rows`` (sorted) of ``limit``."""
+    def claimed(self, queue: str, started: Position, rows: Sequence[Any], limit: int, seconds: float) -> None:
+        """Record a claim that started at ``started``, took ``rows`` (sorted) of ``limit``, in ``seconds``."""
         if started is None:
             self._front_scanned[queue] = self._clock()
-        if rows and len(rows) >= limit:
+            least = min(FRONT_SCAN_EVERY, self._poll_interval)
+            most = max(FRONT_SCAN_MAX, least)
+            self._front_every[queue] = min(most, max(least, seconds * _FRONT_SCAN_SPACING))
+        if rows and (self._held or len(rows) >= limit):
             first = rows[0]
             self._at[queue] = (first.priority, first.id)
+        elif self._held:
+            self._at[queue] = END
         else:
             self._at.pop(queue, None)
+
+    def lower(self, queue: str, position: tuple[int, int]) -> None:
+        """Something at ``position`` may be claimable now: the next claim of ``queue`` starts there."""
+        at = self._at.get(queue)
+        if at is not None and position < at:
+            self._at[queue] = position
+
+    def due_at(self, queue: str, position: tuple[int, int], seconds: float) -> None:
+        """A row at ``position`` becomes claimable in ``seconds``: move back to it then."""
+        if self._held:
+            heapq.heappush(self._due, (self._clock() + seconds, queue, position))
+
+    def rewind(self) -> None:
+        """Anything anywhere may be claimable: every queue's next claim starts at the front."""
+        self._at.clear()

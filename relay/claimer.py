@@ -23,14 +23,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from outbox import signals
 
 from .announce import send
 from .batch import batch_routes, deliver_batch
-from .claim_position import ClaimPositions, Position
+from .claim_position import END, ClaimPositions, Position
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
 from .dispatch import (
@@ -45,7 +45,7 @@ from .dispatch import (
 from .documents import undecodable
 from .run_context import RunContext, log
 from .threads import DaemonPool
-from .writer import OutcomeWriter
+from .writer import Outcome, OutcomeWriter
 
 __all__ = ["Claimer"]
 
@@ -60,6 +60,7 @@ class Claimer:
         concurrency: int,
         queue_concurrency: Mapping[str, int],
         batch_size: int,
+        listening: Callable[[], bool] = lambda: False,
     ) -> None:
         self._rt = rt
         self._writer = writer
@@ -75,7 +76,11 @@ class Claimer:
         # one with the same relay id) is never among them; it leaves through lease expiry.
         self._unstarted: dict[tuple[int, int], None] = {}
         self._saturated = False
-        self._positions = ClaimPositions()
+        self._positions = ClaimPositions(poll_interval=rt.poll_interval)
+        self._listening = listening
+        # (id, attempt) -> (queue, priority, grouped) of each claim until its outcome is written:
+        # where in its queue a retry or the group's next message becomes claimable.
+        self._placed: dict[tuple[int, int], tuple[str, int, bool]] = {}
         self._known_queues: set[str] = {r.queue for r in rt.routes.values()}
         self._next_discovery = 0.0
         # Claims are as durable as outcomes: a claim a server crash forgot would have its
@@ -104,6 +109,7 @@ class Claimer:
     def released(self, claims: list[tuple[int, int]]) -> None:
         for claim in claims:
             self._unstarted.pop(claim, None)
+            self._placed.pop(claim, None)
 
     def learn_queues(self, queues: tuple[str, ...]) -> None:
         self._known_queues.update(queues)
@@ -138,10 +144,40 @@ class Claimer:
         batch = min(self._batch_size, self._queue_concurrency.get(queue, self._batch_size))
         return max(1, batch // 2)
 
-    def _slots_freed(self) -> None:
+    def _slots_freed(self, batch: list[Outcome]) -> None:
         # Always a new claim round, saturated or not: a written outcome may also unblock
         # the next message of its group, which no NOTIFY announces.
+        for _, completion in batch:
+            placed = self._placed.pop((completion.message_id, completion.attempt), None)
+            if placed is None:
+                continue
+            queue, priority, grouped = placed
+            position = (priority, completion.message_id)
+            if completion.status == "pending":
+                self._positions.due_at(queue, position, completion.retry_in)
+            elif grouped:
+                self._positions.lower(queue, position)
         self._rt.wake.set()
+
+    def heard(self, payload: str) -> None:
+        """A NOTIFY: ``<schema> <priority> <id> <queue>`` names where a commit's rows sort (outbox_0023).
+
+        Any other payload (an operator's action, a release, an older trigger)
+        names no position: every queue is claimed from the front next.
+        """
+        parts = payload.split(" ", 3)
+        if len(parts) == 4 and parts[1].lstrip("-").isdigit() and parts[2].isdigit():
+            _, priority, message_id, queue = parts
+            self._positions.lower(queue, (int(priority), int(message_id)))
+            if self._queues is None:
+                self._known_queues.add(queue)
+        else:
+            self._positions.rewind()
+        self._rt.wake.set()
+
+    def rewind(self) -> None:
+        """Leases recovered, or a LISTEN connection (re)opened: claim every queue from the front next."""
+        self._positions.rewind()
 
     async def _queues_to_claim(self, discover: bool) -> list[str]:
         if self._queues is not None:
@@ -163,6 +199,7 @@ class Claimer:
         more = False
         claimed = 0
         self._saturated = False
+        self._positions.hold(self._listening())
         for queue in await self._queues_to_claim(discover):
             if rt.stopping:
                 break
@@ -180,28 +217,33 @@ class Claimer:
         return claimed, more and not self._saturated
 
     async def _claim(self, queue: str, limit: int) -> int:
-        """Claim and start up to ``limit`` rows of ``queue``, from its position while a backlog lasts.
+        """Claim and start up to ``limit`` rows of ``queue``, from its position (``claim_position.py``).
 
-        When the backlog after the position ran out, what sorts before it may be
-        due now and no NOTIFY would announce it: a claim from the front takes
-        the rest. Each statement's rows are started before the next statement,
-        so a failure of the second leaves the first one's rows in flight, not
-        held until their leases run out.
+        A relay that does not listen keeps a position only while a backlog
+        lasts: when the backlog after it ran out, what sorts before it may be
+        due now and no NOTIFY would announce it, so a claim from the front
+        takes the rest. A listening relay hears of those and moves its
+        position back instead. Each statement's rows are started before the
+        next statement, so a failure of the second leaves the first one's rows
+        in flight, not held until their leases run out.
         """
         start = self._positions.start(queue)
+        if start == END:  # nothing claimable after the last claim, and nothing heard since
+            return 0
         taken = await self._claim_from(queue, limit, start)
-        if start is not None and taken < limit:
+        if start is not None and taken < limit and not self._positions.held:
             taken += await self._claim_from(queue, limit - taken, None)
         return taken
 
     async def _claim_from(self, queue: str, limit: int, start: Position) -> int:
         rt = self._rt
         began = rt.tracing.clock()
+        timer = time.perf_counter()
         if self._conn is not None:
             rows = await rt.store.claim_on(self._conn, queue, rt.handlers, limit, start)
         else:
             rows = await rt.db(rt.store.claim, queue, rt.handlers, limit, start)
-        self._positions.claimed(queue, start, rows, limit)
+        self._positions.claimed(queue, start, rows, limit, time.perf_counter() - timer)
         if rows:
             rt.tracing.claimed(queue, len(rows), began)
             self._dispatch(queue, rows)
@@ -216,6 +258,7 @@ class Claimer:
         )
         for row in rows:  # before anything else can fail or be interrupted
             self._unstarted[row.id, row.attempts] = None
+            self._placed[row.id, row.attempts] = (queue, row.priority, row.group_key is not None)
         if signals.message_claimed.receivers:  # no Message objects to build when nobody listens
             send(
                 signals.message_claimed,

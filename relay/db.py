@@ -163,13 +163,13 @@ class LoopConnection:
 
 
 class Listener:
-    """Runs until cancelled: LISTEN, call ``on_notify`` for every wake-up, reconnect on failure."""
+    """Runs until cancelled: LISTEN, call ``on_notify`` with every wake-up's payload, reconnect on failure."""
 
     def __init__(
         self,
         engine: Engine,
         *,
-        on_notify: Callable[[], None],
+        on_notify: Callable[[str], None],
         on_listening: Callable[[], None],
         check_interval: float = 10.0,
         max_backoff: float = 30.0,
@@ -211,8 +211,8 @@ class Listener:
                         self.connected.set()
                         self._on_listening()
                         while True:
-                            async for _ in conn.notifies(timeout=self._check_interval):
-                                self._on_notify()
+                            async for notify in conn.notifies(timeout=self._check_interval):
+                                self._on_notify(notify.payload)
                             # Quiet for a while: prove the socket is alive, or fail into a reconnect.
                             await conn.execute("SELECT 1")
                 except Exception as exc:

@@ -47,10 +47,19 @@ def recover_period(lease: float) -> float:
 
 
 class LeaseKeeper:
-    def __init__(self, rt: RunContext, *, lease: float, held_ids: Callable[[], list[int]]) -> None:
+    def __init__(
+        self,
+        rt: RunContext,
+        *,
+        lease: float,
+        held_ids: Callable[[], list[int]],
+        on_recovered: Callable[[], None] = lambda: None,
+    ) -> None:
         self._rt = rt
         self._lease = lease
         self._held_ids = held_ids
+        #: recovered messages are pending again wherever they sort: the claimer claims from the front
+        self._on_recovered = on_recovered
         self._next_unknown_report = 0.0
 
     async def heartbeat(self) -> None:
@@ -126,6 +135,7 @@ class LeaseKeeper:
                 )
         rt.result.recovered += len(recovered)
         if recovered:
+            self._on_recovered()
             rt.wake.set()
         return len(recovered)
 

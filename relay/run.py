@@ -53,9 +53,13 @@ class RelayRun:
             concurrency=settings.concurrency,
             queue_concurrency=settings.queue_concurrency,
             batch_size=settings.batch_size,
+            listening=lambda: self.listening,
         )
         self.leases = LeaseKeeper(
-            rt, lease=settings.lease, held_ids=lambda: [*claimer.held_ids(), *self.writer.held_ids()]
+            rt,
+            lease=settings.lease,
+            held_ids=lambda: [*claimer.held_ids(), *self.writer.held_ids()],
+            on_recovered=claimer.rewind,
         )
         self.shutdown = Shutdown(rt, claimer, self.writer, grace_period=settings.grace_period)
         self.registry = Registry(
@@ -96,7 +100,7 @@ class RelayRun:
             ]
             if settings.listen:
                 self.listener = Listener(
-                    settings.engine, on_notify=rt.wake.set, on_listening=self._now_listening
+                    settings.engine, on_notify=self.claimer.heard, on_listening=self._now_listening
                 )
                 self.background.append(self._task("outbox-listen", self.listener.run))
             if settings.metrics is not None:
@@ -153,7 +157,9 @@ class RelayRun:
         return asyncio.create_task(supervise(name, run, relay_id=self.settings.id), name=name)
 
     def _now_listening(self) -> None:
-        self.rt.wake.set()  # the catch-up claim: a NOTIFY sent while not listening was lost
+        # The catch-up claim, from the front: a NOTIFY sent while not listening was lost.
+        self.claimer.rewind()
+        self.rt.wake.set()
         send(signals.relay_listening, self.settings.outbox, relay=self.sender)
 
     async def _serve_loop(self) -> None:

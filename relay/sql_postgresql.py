@@ -52,7 +52,16 @@ from dataclasses import dataclass
 
 from .claim_position import FRONT, Position
 
-__all__ = ["CLAIM", "FUNCTIONS_SCHEMA", "PENDING_QUEUES", "PINNED_PATH", "Calls", "calls", "claim_start"]
+__all__ = [
+    "CLAIM",
+    "FUNCTIONS_SCHEMA",
+    "PENDING_QUEUES",
+    "PINNED_PATH",
+    "RELEASED_NOTIFY",
+    "Calls",
+    "calls",
+    "claim_start",
+]
 
 #: The path every relay function pins. A connection already on it spares PostgreSQL a switch of
 #: search path at each call and back, which cost a claim 30-40 µs (PostgreSQL 15); the relay's two
@@ -111,6 +120,11 @@ def claim_start(start: Position) -> dict[str, int]:
     """The claim's ``from_priority`` and ``from_id`` parameters: where its scan starts (None: the front)."""
     from_priority, from_id = start or FRONT
     return {"from_priority": from_priority, "from_id": from_id}
+
+
+#: Sent after a release at shutdown: a payload that names no position, so listening relays claim from
+#: the front, where the released rows sort (``relay/claim_position.py``).
+RELEASED_NOTIFY = "SELECT pg_notify('outbox', 'released')"
 
 
 #: Distinct queues with pending rows: a loose index scan (one probe per queue) of the claim index.

@@ -295,7 +295,11 @@ class Store:
         if self.in_database:
             params = {"me": self.relay_id, "ids": [i for i, _ in claims], "attempts": [a for _, a in claims]}
             with self._autocommit.connect() as conn:
-                return int(conn.exec_driver_sql(self.calls().release, params).scalar_one())
+                released = int(conn.exec_driver_sql(self.calls().release, params).scalar_one())
+                if released:
+                    # Listening relays may have claimed past these rows: this sends them to the front.
+                    conn.exec_driver_sql(pg.RELEASED_NOTIFY)
+                return released
         stmt = (
             update(m)
             .where(

@@ -52,8 +52,9 @@ class OutcomeWriter:
             if rt.store.fast
             else None
         )
-        #: called after each written batch: written outcomes free their delivery slots
-        self.on_written: Callable[[], None] = lambda: None
+        #: called with each written batch: written outcomes free their delivery slots, and a retry or a
+        #: finished group member tells the claimer where in its queue something becomes claimable
+        self.on_written: Callable[[list[Outcome]], None] = lambda batch: None
         #: deliveries still running (the claimer's count): more outcomes are on their way
         self.deliveries_running: Callable[[], int] = lambda: 0
         #: a batch this small waits up to LINGER for company while deliveries still run
@@ -156,7 +157,7 @@ class OutcomeWriter:
                 raise
             finally:
                 self._writing = []
-        self.on_written()
+        self.on_written(batch)
         self._wake_for_retries(batch)
         for message, completion in batch:
             self._announce(message, completion)

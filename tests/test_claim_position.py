@@ -55,25 +55,25 @@ def test_a_full_claim_sets_the_position_and_a_short_one_clears_it():
     clock = Clock()
     positions = ClaimPositions(clock)
     assert positions.start("q") is None  # nothing known: from the front
-    positions.claimed("q", None, rows((0, 10), (0, 11), (5, 3)), limit=3)
+    positions.claimed("q", None, rows((0, 10), (0, 11), (5, 3)), limit=3, seconds=0.001)
     assert positions.start("q") == (0, 10)
     assert positions.start("other") is None  # per queue
-    positions.claimed("q", (0, 10), rows((0, 12), (0, 13), (0, 14)), limit=3)
+    positions.claimed("q", (0, 10), rows((0, 12), (0, 13), (0, 14)), limit=3, seconds=0.001)
     assert positions.start("q") == (0, 12)
-    positions.claimed("q", (0, 12), rows((0, 15)), limit=3)  # the backlog ran out
+    positions.claimed("q", (0, 12), rows((0, 15)), limit=3, seconds=0.001)  # the backlog ran out
     assert positions.start("q") is None
 
 
 def test_a_backlog_is_claimed_from_the_front_again_once_front_scan_every_has_passed():
     clock = Clock()
     positions = ClaimPositions(clock)
-    positions.claimed("q", None, rows((0, 1), (0, 2)), limit=2)
+    positions.claimed("q", None, rows((0, 1), (0, 2)), limit=2, seconds=0.001)
     clock.now += FRONT_SCAN_EVERY / 2
     assert positions.start("q") == (0, 1)
-    positions.claimed("q", (0, 1), rows((0, 3), (0, 4)), limit=2)
+    positions.claimed("q", (0, 1), rows((0, 3), (0, 4)), limit=2, seconds=0.001)
     clock.now += FRONT_SCAN_EVERY / 2
     assert positions.start("q") is None  # a second since the last claim from the front
-    positions.claimed("q", None, rows((-1, 90), (0, 5)), limit=2)
+    positions.claimed("q", None, rows((-1, 90), (0, 5)), limit=2, seconds=0.001)
     assert positions.start("q") == (-1, 90)
 
 
@@ -181,7 +181,8 @@ def test_a_claim_that_fails_after_a_short_claim_from_the_position_leaves_that_cl
     with maker() as s, s.begin():
         for n in range(15):
             emit(s, "work", {"n": n})
-    relay = Relay(ob, pg_engine, concurrency=10, batch_size=10, poll_interval=0.05, lease=60.0)
+    # A relay that does not listen follows a short claim from its position with one from the front.
+    relay = Relay(ob, pg_engine, concurrency=10, batch_size=10, poll_interval=0.05, lease=60.0, listen=False)
     signals.message_claimed.connect(cut_the_claim_connection, sender=ob)
     serving = threading.Thread(target=relay.run)
     caplog.set_level(logging.WARNING, logger="outbox.relay")

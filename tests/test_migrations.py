@@ -289,7 +289,10 @@ def test_postgresql_triggers_cover_every_write_they_guard(pg_url):
     finally:
         engine.dispose()
     notify = [d for d in triggers.values() if "outbox_notify" in d]
-    assert notify and all("AFTER INSERT ON public.outbox_message FOR EACH STATEMENT" in d for d in notify)
+    assert notify and all(
+        "AFTER INSERT ON public.outbox_message REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT" in d
+        for d in notify
+    )
     for guard in ("outbox_attempt_append_only", "outbox_inbox_kept", "outbox_inbox_dead_kept"):
         guarded = " ".join(d for d in triggers.values() if f"{guard}()" in d)
         for operation in ("UPDATE", "DELETE", "TRUNCATE"):

@@ -1,4 +1,8 @@
-"""PostgreSQL wake-ups: a commit that added messages sends exactly one NOTIFY, a rollback none."""
+"""PostgreSQL wake-ups: a commit that added messages sends one NOTIFY per queue, a rollback none.
+
+The payload names where the commit's first row sorts in its queue (migration outbox_0023):
+``<schema> <priority> <id> <queue>``, which a listening relay claims from.
+"""
 
 from __future__ import annotations
 
@@ -52,4 +56,6 @@ def test_one_notify_per_committed_transaction_not_per_row(pg_url, pg_engine):
         conn.close()
         ob.uninstall(factory)
     assert statements == [2, 4, 6, 8, 10], "each flush wrote its event in an INSERT of its own"
-    assert [(n.channel, n.payload) for n in got] == [("outbox", "public")]
+    with pg_engine.connect() as conn:
+        first = conn.scalar(select(func.min(outbox_message.c.id)))
+    assert [(n.channel, n.payload) for n in got] == [("outbox", f"public 0 {first} default")]

@@ -116,5 +116,5 @@ class ChangeFeed:
             return None
         from outbox.relay.db import Listener  # type: ignore[import-not-found,unused-ignore]
 
-        listener = Listener(self._engine, on_notify=self._wake.set, on_listening=self._wake.set)
+        listener = Listener(self._engine, on_notify=lambda _: self._wake.set(), on_listening=self._wake.set)
         return asyncio.create_task(listener.run(), name="outbox-dashboard-listen")
