@@ -32,9 +32,11 @@ by NOTIFY) through two phases, ``clean`` then the pressure phase, each made of:
 
 Per phase: offered and completed rates over the load window (handler starts
 inside the window / its length), completion = completed / offered, claim
-latency (commit -> handler start) p50/p99 of the load's messages, and wake
-p50/p99. Targets: completion under pressure >= 95 % of clean, claim p99 <= 2x
-clean, wake p99 <= 5 ms. The check: every message delivered exactly once with
+latency (commit -> handler start) p50/p99 of the load's messages, wake
+p50/p99, and whether the relay kept up all along (the largest backlog, and the
+rate of handler starts in the slowest 10 s of the window). Targets:
+completion under pressure >= 95 % of clean, claim p99 <= 2x clean, wake p99
+<= 5 ms. The check: every message delivered exactly once with
 one history row, one handler start per commit, the relay exits 0, and the
 pressure still held at the end of its phase.
 """
@@ -319,6 +321,7 @@ def _figures(phase: dict[str, Any], committed: dict[int, float], started: dict[i
     wake = [(started[n] - committed[n]) * 1000 for n in phase["wake"]]
     offered = len(load) / span
     return {
+        **_lag(load, committed, started),
         "seconds": round(span, 1),
         "offered_per_s": round(offered, 1),
         "completed_per_s": round(completed / span, 1),
@@ -333,6 +336,34 @@ def _figures(phase: dict[str, Any], committed: dict[int, float], started: dict[i
         "front_scan_buffers": phase["front_scan_buffers"],
         "front_scan_ms": round(phase["front_scan_ms"], 2),
     }
+
+
+def _lag(load: range, committed: dict[int, float], started: dict[int, float]) -> dict[str, Any]:
+    """Whether the relay kept up all along: the largest backlog, and the slowest 10 s of handler starts.
+
+    A claim p99 far above the clean phase's is either every claim a little
+    slower (a cost per claim) or a backlog that built up and drained again (the
+    relay fell behind for a while, host contention included); these two tell
+    which.
+    """
+    commits = sorted(committed[n] for n in load)
+    starts = sorted(started[n] for n in load)
+    backlog, done = 0, 0
+    for i, at in enumerate(commits, start=1):
+        while done < len(starts) and starts[done] <= at:
+            done += 1
+        backlog = max(backlog, i - done)
+    first = commits[0]
+    buckets = [0] * max(1, int((commits[-1] - first) // _LAG_WINDOW))
+    for at in starts:
+        slot = int((at - first) // _LAG_WINDOW)
+        if 0 <= slot < len(buckets):
+            buckets[slot] += 1
+    return {"backlog_max": backlog, "slowest_10s_per_s": round(min(buckets) / _LAG_WINDOW, 1)}
+
+
+#: Seconds per bucket of :func:`_lag`'s slowest-window rate.
+_LAG_WINDOW = 10.0
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -401,7 +432,9 @@ def pressure_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                     f"wake p99 {_fmt(out.get(k + 'wake_ms_p99'), '.1f')} ms; dead tuples "
                     f"{_fmt(out.get(k + 'dead_message'), ',d')} msg / "
                     f"{_fmt(out.get(k + 'dead_attempt'), ',d')} "
-                    f"history; front scan {_fmt(out.get(k + 'front_scan_buffers'), ',d')} buffers",
+                    f"history; front scan {_fmt(out.get(k + 'front_scan_buffers'), ',d')} buffers; "
+                    f"backlog max {_fmt(out.get(k + 'backlog_max'), ',d')}, slowest 10 s "
+                    f"{_fmt(out.get(k + 'slowest_10s_per_s'), ',.0f')} msg/s",
                     "",
                     "-",
                 )

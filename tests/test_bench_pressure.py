@@ -33,6 +33,8 @@ FIGURES = (
     "claim_ms_p99",
     "wake_ms_p50",
     "wake_ms_p99",
+    "backlog_max",
+    "slowest_10s_per_s",
     "dead_message",
     "dead_attempt",
     "front_scan_buffers",
@@ -70,6 +72,7 @@ def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
         assert 0 < out[f"{prefix}_{phase}_completion"]
         assert out[f"{prefix}_{phase}_claim_ms_p50"] <= out[f"{prefix}_{phase}_claim_ms_p99"]
         assert out[f"{prefix}_{phase}_front_scan_buffers"] >= 1
+        assert 1 <= out[f"{prefix}_{phase}_backlog_max"] <= 200  # one message at least is in flight
     # Every claim leaves a dead version of its row; nothing removes it while the horizon is held.
     assert out[f"{prefix}_pressure_dead_message"] > 0
     assert out[f"{prefix}_completion_vs_clean"] > 0 and out[f"{prefix}_claim_p99_vs_clean"] > 0
