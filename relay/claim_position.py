@@ -32,11 +32,17 @@ and moves them back on what it hears or does:
 
 What is left is what a claim stepped over without taking: a message whose
 ``emit(delay=...)`` had not passed, a row another relay's claim held locked
-at that instant, a group member whose predecessor another relay finished. A
-claim from the front takes those; one runs at least every
-:data:`FRONT_SCAN_EVERY` seconds (or the relay's ``poll_interval``, if
-shorter), and while the front is costly (a held transaction) no more than
-about one percent of the time, at most every :data:`FRONT_SCAN_MAX` seconds.
+at that instant, a group member whose predecessor another relay finished.
+Not listening, a claim from the front takes those. Listening, a look behind
+the position finds the first of them (a plain ``SELECT`` of the claim's
+conditions, beside the claims, on a connection of its own) and moves the
+position back to it: a claim from the front walks every dead entry at the
+front of the index, and while it ran, a commit's wake-up would wait for it.
+Either runs at least every :data:`FRONT_SCAN_EVERY` seconds (or the relay's
+``poll_interval``, if shorter), and while it is costly (a held transaction)
+no more than about one percent of the time, at most every
+:data:`FRONT_SCAN_MAX` seconds.
+
 Per-group order is kept regardless: a grouped row is claimable only once no
 earlier row of its group is unfinished, wherever the scan starts.
 """
@@ -96,26 +102,43 @@ class ClaimPositions:
         self._held = listening
 
     def start(self, queue: str) -> Position:
-        """Where the next claim of ``queue`` starts."""
+        """Where the next claim of ``queue`` starts.
+
+        Not listening, that is the front whenever the last claim from the
+        front is :meth:`front_due`. Listening, the position stays: the rows
+        behind it are looked for beside the claims (:meth:`sweep_due`).
+        """
         now = self._clock()
         while self._due and self._due[0][0] <= now:
             _, due_queue, due = heapq.heappop(self._due)
             self.lower(due_queue, due)
         position = self._at.get(queue)
-        if position is None:
-            return None
-        every = self._front_every.get(queue, 0.0)
-        if now - self._front_scanned.get(queue, float("-inf")) >= every:
+        if position is None or (not self._held and self._front_due(queue, now)):
             return None
         return position
+
+    def sweep_due(self, queue: str) -> tuple[int, int] | None:
+        """Listening: the position to look behind for rows stepped over, if it is time to; else None."""
+        position = self._at.get(queue)
+        if not self._held or position is None or not self._front_due(queue, self._clock()):
+            return None
+        return position
+
+    def swept(self, queue: str, seconds: float) -> None:
+        """A look behind the position (or a claim from the front) took ``seconds``: space the next one."""
+        self._front_scanned[queue] = self._clock()
+        least = min(FRONT_SCAN_EVERY, self._poll_interval)
+        most = max(FRONT_SCAN_MAX, least)
+        self._front_every[queue] = min(most, max(least, seconds * _FRONT_SCAN_SPACING))
+
+    def _front_due(self, queue: str, now: float) -> bool:
+        every = self._front_every.get(queue, 0.0)
+        return now - self._front_scanned.get(queue, float("-inf")) >= every
 
     def claimed(self, queue: str, started: Position, rows: Sequence[Any], limit: int, seconds: float) -> None:
         """Record a claim that started at ``started``, took ``rows`` (sorted) of ``limit``, in ``seconds``."""
         if started is None:
-            self._front_scanned[queue] = self._clock()
-            least = min(FRONT_SCAN_EVERY, self._poll_interval)
-            most = max(FRONT_SCAN_MAX, least)
-            self._front_every[queue] = min(most, max(least, seconds * _FRONT_SCAN_SPACING))
+            self.swept(queue, seconds)
         if rows and (self._held or len(rows) >= limit):
             first = rows[0]
             self._at[queue] = (first.priority, first.id)

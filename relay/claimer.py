@@ -26,6 +26,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from outbox import signals
 
 from .announce import send
@@ -43,7 +45,7 @@ from .dispatch import (
     undecodable_outcome,
 )
 from .documents import undecodable
-from .run_context import RunContext, log
+from .run_context import RunContext, first_line, log
 from .threads import DaemonPool
 from .writer import Outcome, OutcomeWriter
 
@@ -78,6 +80,8 @@ class Claimer:
         self._saturated = False
         self._positions = ClaimPositions(poll_interval=rt.poll_interval)
         self._listening = listening
+        #: a look behind a queue's claim position under way (listening only; claim_position.py)
+        self._sweeping: dict[str, asyncio.Task[None]] = {}
         # (id, attempt) -> (queue, priority, grouped) of each claim until its outcome is written:
         # where in its queue a retry or the group's next message becomes claimable.
         self._placed: dict[tuple[int, int], tuple[str, int, bool]] = {}
@@ -115,6 +119,8 @@ class Claimer:
         self._known_queues.update(queues)
 
     async def close(self) -> None:
+        for task in self._sweeping.values():
+            task.cancel()
         if self._conn is not None:
             await self._conn.close()
         self._handler_pool.shutdown(wait=False)
@@ -203,6 +209,7 @@ class Claimer:
         for queue in await self._queues_to_claim(discover):
             if rt.stopping:
                 break
+            self._look_behind(queue)
             free = self._free(queue)
             if free < self._worth_a_claim(queue):
                 self._saturated = True
@@ -234,6 +241,35 @@ class Claimer:
         if start is not None and taken < limit and not self._positions.held:
             taken += await self._claim_from(queue, limit - taken, None)
         return taken
+
+    def _look_behind(self, queue: str) -> None:
+        """Listening: start a look for rows the claims stepped over, if one is due and none runs."""
+        before = self._positions.sweep_due(queue)
+        if before is None or queue in self._sweeping:
+            return
+        self._sweeping[queue] = asyncio.create_task(self._sweep(queue, before), name=f"outbox-sweep-{queue}")
+
+    async def _sweep(self, queue: str, before: tuple[int, int]) -> None:
+        """Beside the claims, never in their way: a commit's wake-up does not wait for this scan."""
+        rt = self._rt
+        timer = time.perf_counter()
+        try:
+            found = await rt.db(rt.store.first_due_before, queue, rt.handlers, before)
+        except Exception as exc:  # the next claim round tries again; the claims never depended on it
+            log.warning(
+                "looking behind the claim position of %s failed (%s)",
+                queue,
+                first_line(exc),
+                exc_info=not isinstance(exc, SQLAlchemyError),
+                extra={"action": "db_error", "queue": queue},
+            )
+            found = None
+        finally:
+            self._positions.swept(queue, time.perf_counter() - timer)
+            del self._sweeping[queue]
+        if found is not None:
+            self._positions.lower(queue, found)
+            rt.wake.set()
 
     async def _claim_from(self, queue: str, limit: int, start: Position) -> int:
         rt = self._rt

@@ -86,6 +86,8 @@ class Calls:
     release: str
     #: takes back the expired leases named in ``decisions`` (JSON: id, attempt, dead, delay, note)
     recover: str
+    #: the first row ``claim`` would take that sorts before a position, locking nothing (or no row)
+    first_due: str
 
 
 def calls(schema: str | None) -> Calls:
@@ -109,6 +111,20 @@ SELECT r.*, coalesce(r.expires_at <= now(), false) AS expired
             "SELECT message_id, dead, retry_in, reason"
             f" FROM {f}outbox_recover(%(me)s::text, %(decisions)s::jsonb)"
         ),
+        first_due=f"""
+SELECT c.priority, c.id FROM {f}outbox_message c
+ WHERE c.status = 'pending' AND c.queue = %(queue)s::text AND c.handler = ANY(%(handlers)s::text[])
+   AND (c.priority, c.id) < (%(before_priority)s::int, %(before_id)s::bigint)
+   AND c.available_at <= now()
+   AND NOT EXISTS (SELECT 1 FROM {f}outbox_pause p WHERE p.kind = 'queue' AND p.name = %(queue)s::text)
+   AND NOT EXISTS (SELECT 1 FROM {f}outbox_pause p WHERE p.kind = 'handler' AND p.name = c.handler)
+   AND (c.group_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM {f}outbox_message e
+         WHERE e.handler = c.handler AND e.group_key = c.group_key AND e.id < c.id
+           AND (e.status IN ('pending', 'running') OR (%(block_on_dead)s::boolean AND e.status = 'dead'))))
+ ORDER BY c.priority, c.id
+ LIMIT 1
+""",
     )
 
 

@@ -195,6 +195,26 @@ class Store:
             rows = list(conn.execute(claim, {"lease": self.clock.bind_later(self.lease)}))
         return _in_claim_order(rows)
 
+    def first_due_before(
+        self, queue: str, handlers: Sequence[str], before: tuple[int, int]
+    ) -> tuple[int, int] | None:
+        """(priority, id) of the first row a claim of ``queue`` would take that sorts before ``before``.
+
+        A plain read under the claim's own conditions (due, not paused, its
+        group free), locking nothing: a listening relay's look behind its
+        claim position (``relay/claim_position.py``). PostgreSQL only.
+        """
+        params = {
+            "queue": queue,
+            "handlers": list(handlers),
+            "before_priority": before[0],
+            "before_id": before[1],
+            "block_on_dead": self.group_policy == "block",
+        }
+        with self._autocommit.connect() as conn:
+            row = conn.exec_driver_sql(self.calls().first_due, params).first()
+        return None if row is None else (int(row[0]), int(row[1]))
+
     def _claim_params(
         self, queue: str, handlers: Sequence[str], limit: int, start: Position
     ) -> dict[str, Any]:

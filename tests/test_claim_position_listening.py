@@ -90,20 +90,36 @@ def test_a_relay_that_stops_listening_forgets_its_positions_and_its_retries():
     assert positions.start("q") is None  # the forgotten retry moved nothing
 
 
-def test_claims_from_the_front_are_spaced_by_their_cost():
-    positions, clock = held_positions()  # a cheap front: again after FRONT_SCAN_EVERY
+def test_a_listening_relay_looks_behind_its_position_spaced_by_the_looks_cost():
+    positions, clock = held_positions()
+    assert positions.sweep_due("q") is None  # the claim from the front just ran
     clock.now += FRONT_SCAN_EVERY
-    assert positions.start("q") is None
-    positions.claimed("q", None, rows((0, 30)), limit=5, seconds=0.03)  # a held transaction: 30 ms
+    assert positions.start("q") == (0, 10)  # the claims keep their position...
+    assert positions.sweep_due("q") == (0, 10)  # ...and a look behind it is due
+    positions.swept("q", seconds=0.03)  # a held transaction: 30 ms
     clock.now += 2.9
-    assert positions.start("q") == (0, 30)  # a hundred times its cost apart
+    assert positions.sweep_due("q") is None  # a hundred times its cost apart
+    clock.now += 0.1
+    assert positions.sweep_due("q") == (0, 10)
+    positions.swept("q", seconds=5.0)
+    clock.now += FRONT_SCAN_MAX - 0.01
+    assert positions.sweep_due("q") is None
+    clock.now += 0.01
+    assert positions.sweep_due("q") == (0, 10)  # never longer apart than FRONT_SCAN_MAX
+    positions.rewind()
+    assert positions.sweep_due("q") is None  # the next claim is from the front anyway
+    assert positions.start("q") is None
+
+
+def test_a_relay_that_does_not_listen_claims_from_the_front_instead_of_looking_behind():
+    clock = Clock()
+    positions = ClaimPositions(clock)
+    positions.claimed("q", None, rows((0, 1), (0, 2)), limit=2, seconds=0.03)  # a backlog
+    clock.now += 2.9
+    assert positions.start("q") == (0, 1)
+    assert positions.sweep_due("q") is None
     clock.now += 0.1
     assert positions.start("q") is None
-    positions.claimed("q", None, rows((0, 31)), limit=5, seconds=5.0)
-    clock.now += FRONT_SCAN_MAX - 0.01
-    assert positions.start("q") == (0, 31)
-    clock.now += 0.01
-    assert positions.start("q") is None  # never longer apart than FRONT_SCAN_MAX
 
 
 # -- against PostgreSQL ----------------------------------------------------------------------
@@ -146,7 +162,9 @@ class Serving:
 
 def statuses(engine: Engine) -> dict[str, str]:
     with engine.connect() as conn:
-        return dict(conn.execute(select(m.c.payload["n"].as_string(), m.c.status)).tuples().all())
+        return {
+            name: status for name, status in conn.execute(select(m.c.payload["n"].as_string(), m.c.status))
+        }
 
 
 def test_a_transaction_that_took_its_id_early_is_claimed_when_its_commit_is_heard(
@@ -203,6 +221,27 @@ def test_a_retry_coming_due_and_a_groups_next_message_are_claimed_by_the_relay_t
         wait_until(lambda: len(order) == 7, "every message, the retry and the group's members included")
     assert [n for n in order if n.startswith("g")] == [f"g{n}" for n in range(5)]
     assert set(statuses(pg_engine).values()) == {"delivered"}
+
+
+def test_a_row_the_claims_stepped_over_is_found_by_looking_behind_the_position(
+    pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session]
+) -> None:
+    """A delayed message sorts before the position once a later row is claimed; no NOTIFY says it is due."""
+    delivered: list[str] = []
+
+    @ob.handler("work", name="work")
+    def work(msg):
+        delivered.append(msg.payload["n"])
+
+    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=0.2)
+    with Serving(relay):
+        with pg_maker() as s, s.begin():
+            emit(s, "work", {"n": "delayed"}, delay=0.5)
+        with pg_maker() as s, s.begin():
+            emit(s, "work", {"n": "after"})
+        wait_until(lambda: "delayed" in delivered, "the delayed message, found behind the position")
+    assert delivered == ["after", "delayed"]
+    assert statuses(pg_engine) == {"delayed": "delivered", "after": "delivered"}
 
 
 def test_an_operator_action_sends_a_listening_relay_back_to_the_front(
