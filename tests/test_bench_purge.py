@@ -26,8 +26,9 @@ def test_purge_mode_drops_the_day_keeps_unresolved_history_and_cleans_up(pg_base
     # The day's partition went whole; the pending messages' history stayed; no dead tuple is left.
     assert (partitioned["deleted"], partitioned["rows_left"], partitioned["dead_tuples_left"]) == (2993, 7, 0)
     assert partitioned["steps"] == 1, "one step for the whole day"
-    # The schema before partitions deleted the same kind of day row by row, and left a dead tuple per row.
-    assert (rowwise["deleted"], rowwise["rows_left"], rowwise["dead_tuples_left"]) == (593, 7, 593)
+    # The schema before partitions deleted the same kind of day row by row (the dead tuples that leaves
+    # are reported, not checked: pruning and autovacuum may already have taken some).
+    assert (rowwise["deleted"], rowwise["rows_left"]) == (593, 7)
     assert partitioned["beside_writes"] > 0 and rowwise["beside_writes"] > 0
     admin = make_url(pg_base_url).set(drivername="postgresql+psycopg", database="postgres")
     with psycopg.connect(conninfo(admin)) as conn:

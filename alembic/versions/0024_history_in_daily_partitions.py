@@ -83,6 +83,8 @@ DAYS_AHEAD = 7
 MAX_BATCH = 10000
 
 AHEAD = "outbox_history_partitions_ahead(integer)"
+#: The advisory lock that makes and drops history partitions one transaction at a time.
+_PARTITIONS_LOCK = "hashtext('outbox_attempt partitions')"
 _HELPERS = ("outbox_attempt_partitions()", "outbox_attempt_partition_for(date)")
 
 
@@ -187,6 +189,9 @@ BEGIN
         RAISE EXCEPTION 'outbox: days ahead must be 0 to 366, got %', days
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- One caller at a time (relays start together, a purge may run beside them): the next one
+    -- then finds the partitions made.
+    PERFORM pg_advisory_xact_lock({_PARTITIONS_LOCK});
     FOR d IN 0..days LOOP
         IF {s}.outbox_attempt_partition_for(today + d) THEN
             created := created + 1;
@@ -263,6 +268,7 @@ BEGIN
         -- rows are locked against writes while they are counted and the kept ones found; the
         -- kept ones are inserted again, ids and all, once no partition covers their day (they
         -- land in the DEFAULT partition).
+        PERFORM pg_advisory_xact_lock({_PARTITIONS_LOCK});  -- no two steps drop the same day
         FOR day IN SELECT p.part FROM {s}.outbox_attempt_partitions() p
                     WHERE p.upper_bound <= run.history_before ORDER BY p.lower_bound LOOP
             EXECUTE format('LOCK TABLE %s IN SHARE MODE', day.part);
@@ -270,7 +276,9 @@ BEGIN
             kept := '{{}}';
             IF NOT run.history_of_unresolved THEN
                 EXECUTE format('SELECT coalesce(array_agg(h.id), ''{{}}'') FROM {s}.outbox_message m'
-                               ' JOIN %s h ON h.message_id = m.id WHERE {unresolved_literal}',
+                               ' JOIN %s h ON h.message_id = m.id'
+                               ' WHERE m.status IN (''pending'', ''running'', ''dead'')'
+                               ' AND ({unresolved_literal})',
                                day.part) INTO kept;
             END IF;
             EXECUTE format('ALTER TABLE {s}.outbox_attempt DETACH PARTITION %s', day.part);
