@@ -8,6 +8,7 @@ the installed package alone can migrate a database.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "downgrade",
     "include_name",
     "include_object",
+    "is_history_partition",
     "missing_outbox_table",
     "script_location",
     "upgrade",
@@ -46,6 +48,18 @@ OUTBOX_TABLES = frozenset(metadata.tables) | {"outbox_report_run", "outbox_repor
 VERSION_TABLE = "outbox_alembic_version"
 _LEGACY_VERSION_TABLE = "alembic_version"
 _HIDDEN = OUTBOX_TABLES | {VERSION_TABLE}
+#: On PostgreSQL ``outbox_attempt`` lives in daily partitions (migration outbox_0024), tables of
+#: their own that the branch creates and the purge drops.
+_HISTORY_PARTITION = re.compile(r"outbox_attempt_(p[0-9]{8}|default)")
+
+
+def is_history_partition(name: str | None) -> bool:
+    """True for a partition of ``outbox_attempt`` (``outbox_attempt_pYYYYMMDD``, ``..._default``)."""
+    return name is not None and _HISTORY_PARTITION.fullmatch(name) is not None
+
+
+def _hidden(name: str | None) -> bool:
+    return name in _HIDDEN or is_history_partition(name)
 
 
 def script_location() -> Path:
@@ -65,9 +79,9 @@ def include_object(obj: Any, name: str | None, type_: str, reflected: bool, comp
     branch owns them.
     """
     if type_ == "table":
-        return name not in _HIDDEN
+        return not _hidden(name)
     table = getattr(obj, "table", None)
-    return getattr(table, "name", None) not in _HIDDEN
+    return not _hidden(getattr(table, "name", None))
 
 
 def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
@@ -77,7 +91,7 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     ``outbox_alembic_version``, the version table of ``outbox migrate``.
     """
     if type_ == "table":
-        return name not in _HIDDEN
+        return not _hidden(name)
     return True
 
 

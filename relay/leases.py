@@ -33,6 +33,10 @@ __all__ = ["LeaseKeeper", "recover_period"]
 
 #: Seconds between warnings about pending rows for routes this relay has no handler for.
 _UNKNOWN_REPORT_EVERY = 300.0
+#: Seconds between the recoverer's calls that make history partitions ahead (PostgreSQL).
+PARTITIONS_EVERY = 3600.0
+#: Days after today whose history partitions the relay keeps made.
+PARTITION_DAYS_AHEAD = 7
 
 
 def _why_dead(item: Recovered) -> str:
@@ -61,6 +65,7 @@ class LeaseKeeper:
         #: recovered messages are pending again wherever they sort: the claimer claims from the front
         self._on_recovered = on_recovered
         self._next_unknown_report = 0.0
+        self._next_partitions = 0.0
 
     async def heartbeat(self) -> None:
         """Renew leases of running deliveries so a slow but live handler is never claimed twice."""
@@ -148,7 +153,34 @@ class LeaseKeeper:
                 log.warning("lease recovery failed (%s)", first_line(exc), extra={"action": "db_error"})
             if time.monotonic() >= self._next_unknown_report:
                 await self.report_unknown_handlers()
+            if time.monotonic() >= self._next_partitions:
+                await self.history_partitions()
             await asyncio.sleep(period)
+
+    async def history_partitions(self) -> int | None:
+        """Make history partitions ahead (PostgreSQL, outbox_0024): at start-up, then every hour.
+
+        A failure only warns: until the day's partition exists, its history goes to the
+        DEFAULT partition, and the next call (or a purge) makes the partition and moves it there.
+        """
+        self._next_partitions = time.monotonic() + PARTITIONS_EVERY
+        try:
+            created = await self._rt.db(self._rt.store.history_partitions_ahead, PARTITION_DAYS_AHEAD)
+        except SQLAlchemyError as exc:
+            log.warning(
+                "history partitions ahead not made (%s); history of days without one goes to the"
+                " DEFAULT partition meanwhile",
+                first_line(exc),
+                extra={"action": "db_error"},
+            )
+            return None
+        if created:
+            log.info(
+                "made %d history partition(s) ahead",
+                created,
+                extra={"action": "history_partitions", "relay_id": self._rt.id, "count": created},
+            )
+        return created
 
     async def report_unknown_handlers(self) -> None:
         """Rows for routes this relay lacks stay pending (a rolling deploy must not kill them): say so."""

@@ -143,6 +143,7 @@ class RelayRun:
         the shared circuit breakers (``breakers.py``)."""
         settings = self.settings
         await check_database(self.rt, settings.engine)
+        await self.leases.history_partitions()
         bind_handlers(settings.routes.values(), settings.engine, settings.redactor)
         await start_handlers(
             settings.routes.values(),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Row, and_, bindparam, exists, func, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, Row, and_, bindparam, exists, func, or_, select, text, tuple_, update
 from sqlalchemy.engine import Engine
 
 from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
@@ -470,6 +470,20 @@ class Store:
         """:meth:`complete` over the event loop's own connection (PostgreSQL with psycopg only)."""
         if results:
             await conn.execute(self.calls().complete, outcomes.batch_params(self.relay_id, results))
+
+    # -- history partitions -------------------------------------------------------------
+
+    def history_partitions_ahead(self, days: int) -> int | None:
+        """PostgreSQL: make the history partitions of today and the next ``days`` days (outbox_0024).
+
+        Returns how many the database created (0 when they all existed); None on
+        SQLite, whose history is one table. Its own short transaction.
+        """
+        if not self.in_database:
+            return None
+        with self._autocommit.connect() as conn:
+            created = conn.execute(text("SELECT outbox_history_partitions_ahead(:days)"), {"days": days})
+            return int(created.scalar_one())
 
     # -- visibility -----------------------------------------------------------------
 

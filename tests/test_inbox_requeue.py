@@ -378,6 +378,6 @@ def test_the_downgrade_keeps_requeued_dead_letters_and_who_requeued_them(empty_u
         with engine.connect() as conn:
             row = conn.execute(select(dead.c.status, dead.c.actor)).one()
         assert tuple(row) == ("handled", "ana")
-        assert outbox.upgrade(empty_url) == ["outbox_0022"]
+        assert outbox.upgrade(empty_url)[0] == "outbox_0022"  # then any later revision
     finally:
         engine.dispose()

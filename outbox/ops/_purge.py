@@ -5,6 +5,7 @@ In short batches, each its own transaction, all recorded in one ``outbox_retenti
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +36,9 @@ run = outbox_retention_run
 MIN_HISTORY_AGE: Final = timedelta(days=1)
 #: The largest batch a purge takes: each batch is one transaction, and these must stay short.
 MAX_PURGE_BATCH: Final = 10000
+#: How often a step that found the history table busy is tried (PostgreSQL: lock timeout, deadlock).
+_LOCK_TRIES: Final = 5
+_LOCK_BUSY: Final = frozenset({"55P03", "40P01"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,13 @@ def purge(
     (migration ``outbox_0007``): cutoffs come from the server's clock, the
     record names the login that ran it, and the caller needs no write access
     to history or to the record.
+
+    On PostgreSQL history lives in daily partitions (migration ``outbox_0024``):
+    the history cutoff is rounded down to midnight UTC of the day it falls in,
+    and each day older than that is dropped whole, in one step whatever
+    ``batch_size`` says (its count is still added to the record in the same
+    transaction), after the history of unresolved messages is set aside in the
+    DEFAULT partition; only rows in the DEFAULT partition are deleted in batches.
 
     Purging a delivered message also forgets its idempotency key: the same key
     emitted afterwards is stored (and delivered) again.
@@ -185,12 +196,22 @@ class _PostgresPurge(_PurgeStore):
         return int(row[0])
 
     def step(self, run_id: int, batch_size: int) -> tuple[int, int]:
-        row = self._call(
-            "SELECT messages_deleted, attempts_deleted FROM outbox_purge_step(:run, :batch)",
-            run=run_id,
-            batch=batch_size,
-        )
-        return int(row.messages_deleted), int(row.attempts_deleted)
+        # A step that drops a day of history (outbox_0024) needs the history table's lock for a
+        # moment, and waits 2 s at most for it: a busy table is tried again, a few times.
+        for attempt in range(1, _LOCK_TRIES + 1):
+            try:
+                row = self._call(
+                    "SELECT messages_deleted, attempts_deleted FROM outbox_purge_step(:run, :batch)",
+                    run=run_id,
+                    batch=batch_size,
+                )
+            except DBAPIError as error:
+                if attempt == _LOCK_TRIES or getattr(error.orig, "sqlstate", None) not in _LOCK_BUSY:
+                    raise
+                time.sleep(attempt)
+                continue
+            return int(row.messages_deleted), int(row.attempts_deleted)
+        raise AssertionError("unreachable")
 
     def markers_step(self, run_id: int, batch_size: int) -> int:
         row = self._call("SELECT outbox_inbox_purge_step(:run, :batch)", run=run_id, batch=batch_size)

@@ -7,9 +7,9 @@ losing history is wanted, so ``reset`` lifts it for itself alone, for the length
 of one transaction, and only when told the database is disposable:
 
 - PostgreSQL: as the owner of the tables, ``ALTER TABLE ... DISABLE TRIGGER``
-  on the triggers that refuse TRUNCATE, one ``TRUNCATE ... RESTART IDENTITY``
-  of every outbox table, and the triggers enabled again as they were, all in
-  one transaction. Other sessions never see a trigger disabled: the ALTER
+  on the triggers that refuse TRUNCATE (those of the history's partitions too),
+  one ``TRUNCATE ... RESTART IDENTITY`` of every outbox table, and the triggers
+  enabled again as they were, all in one transaction. Other sessions never see a trigger disabled: the ALTER
   TABLE locks keep their writes waiting until the commit, when the triggers
   are back. A login that does not own the tables is refused, by this code and
   by PostgreSQL.
@@ -104,7 +104,10 @@ def _reset_postgresql(conn: Connection, tables: list[str]) -> None:
                 "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), quote_ident(t.tgname),"
                 " t.tgenabled FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
                 " JOIN pg_namespace n ON n.oid = c.relnamespace"
-                " WHERE t.tgrelid = ANY(CAST(:oids AS oid[])) AND NOT t.tgisinternal"
+                # A partition (outbox_attempt's days, outbox_0024) has a TRUNCATE trigger of its own.
+                " WHERE (t.tgrelid = ANY(CAST(:oids AS oid[])) OR t.tgrelid IN (SELECT i.inhrelid"
+                " FROM pg_inherits i WHERE i.inhparent = ANY(CAST(:oids AS oid[]))))"
+                " AND NOT t.tgisinternal"
                 f" AND t.tgtype & {_TRUNCATE} <> 0 AND t.tgenabled <> 'D'"
             ),
             {"oids": _oids(conn, tables)},
