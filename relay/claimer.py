@@ -26,12 +26,11 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from outbox import signals
 
 from .announce import send
 from .batch import batch_routes, deliver_batch
+from .beside_claims import BesideTheClaims
 from .claim_position import END, ClaimPositions, Position
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
@@ -45,7 +44,7 @@ from .dispatch import (
     undecodable_outcome,
 )
 from .documents import undecodable
-from .run_context import RunContext, first_line, log
+from .run_context import RunContext, log
 from .threads import DaemonPool
 from .writer import Outcome, OutcomeWriter
 
@@ -80,13 +79,12 @@ class Claimer:
         self._saturated = False
         self._positions = ClaimPositions(poll_interval=rt.poll_interval)
         self._listening = listening
-        #: a look behind a queue's claim position under way (listening only; claim_position.py)
-        self._sweeping: dict[str, asyncio.Task[None]] = {}
         # (id, attempt) -> (queue, priority, grouped) of each claim until its outcome is written:
         # where in its queue a retry or the group's next message becomes claimable.
         self._placed: dict[tuple[int, int], tuple[str, int, bool]] = {}
         self._known_queues: set[str] = {r.queue for r in rt.routes.values()}
         self._next_discovery = 0.0
+        self._scans = BesideTheClaims(rt, self._positions, self._known_queues)
         # Claims are as durable as outcomes: a claim a server crash forgot would have its
         # attempt number used again, and a delivery its handler already made would leave no
         # trace (no lease ever expires for it), so the duplicate could not be explained.
@@ -119,8 +117,7 @@ class Claimer:
         self._known_queues.update(queues)
 
     async def close(self) -> None:
-        for task in self._sweeping.values():
-            task.cancel()
+        self._scans.cancel()
         if self._conn is not None:
             await self._conn.close()
         self._handler_pool.shutdown(wait=False)
@@ -192,7 +189,10 @@ class Claimer:
         # enough, and keeps a query off the wake-up path.
         if discover and time.monotonic() >= self._next_discovery:
             self._next_discovery = time.monotonic() + self._rt.poll_interval
-            self._known_queues.update(await self._rt.db(self._rt.store.pending_queues))
+            if not self._positions.held:
+                self._known_queues.update(await self._rt.db(self._rt.store.pending_queues))
+            else:  # beside the claims: the walk starts at the front of the claim index
+                self._scans.discover()
         return sorted(self._known_queues)
 
     async def claim_round(self, *, discover: bool) -> tuple[int, bool]:
@@ -209,7 +209,7 @@ class Claimer:
         for queue in await self._queues_to_claim(discover):
             if rt.stopping:
                 break
-            self._look_behind(queue)
+            self._scans.look_behind(queue)
             free = self._free(queue)
             if free < self._worth_a_claim(queue):
                 self._saturated = True
@@ -241,35 +241,6 @@ class Claimer:
         if start is not None and taken < limit and not self._positions.held:
             taken += await self._claim_from(queue, limit - taken, None)
         return taken
-
-    def _look_behind(self, queue: str) -> None:
-        """Listening: start a look for rows the claims stepped over, if one is due and none runs."""
-        before = self._positions.sweep_due(queue)
-        if before is None or queue in self._sweeping:
-            return
-        self._sweeping[queue] = asyncio.create_task(self._sweep(queue, before), name=f"outbox-sweep-{queue}")
-
-    async def _sweep(self, queue: str, before: tuple[int, int]) -> None:
-        """Beside the claims, never in their way: a commit's wake-up does not wait for this scan."""
-        rt = self._rt
-        timer = time.perf_counter()
-        try:
-            found = await rt.db(rt.store.first_due_before, queue, rt.handlers, before)
-        except Exception as exc:  # the next claim round tries again; the claims never depended on it
-            log.warning(
-                "looking behind the claim position of %s failed (%s)",
-                queue,
-                first_line(exc),
-                exc_info=not isinstance(exc, SQLAlchemyError),
-                extra={"action": "db_error", "queue": queue},
-            )
-            found = None
-        finally:
-            self._positions.swept(queue, time.perf_counter() - timer)
-            del self._sweeping[queue]
-        if found is not None:
-            self._positions.lower(queue, found)
-            rt.wake.set()
 
     async def _claim_from(self, queue: str, limit: int, start: Position) -> int:
         rt = self._rt

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from invoices import Base, Invoice
 from relayproc import wait_until
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -244,6 +244,25 @@ def test_a_row_the_claims_stepped_over_is_found_by_looking_behind_the_position(
     assert statuses(pg_engine) == {"delayed": "delivered", "after": "delivered"}
 
 
+def test_a_listening_relay_finds_a_queue_it_never_heard_of_beside_its_claims(
+    pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session]
+) -> None:
+    """A queue named at emit time whose NOTIFY never came (triggers off, as a replica applies rows)."""
+    delivered: list[str] = []
+
+    @ob.handler("work", name="work")
+    def work(msg):
+        delivered.append(msg.payload["n"])
+
+    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=0.2)
+    with Serving(relay):
+        with pg_maker() as s, s.begin():
+            s.execute(text("SET LOCAL session_replication_role = replica"))  # no trigger, no NOTIFY
+            emit(s, "work", {"n": "unheard"}, queue="unheard")
+        wait_until(lambda: delivered == ["unheard"], "the message of a queue found by discovery")
+    assert statuses(pg_engine) == {"unheard": "delivered"}
+
+
 def test_an_operator_action_sends_a_listening_relay_back_to_the_front(
     pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session], no_front_scans: None
 ) -> None:
@@ -262,9 +281,14 @@ def test_an_operator_action_sends_a_listening_relay_back_to_the_front(
         with pg_maker() as s, s.begin():
             emit(s, "work", {"n": "after"})
         wait_until(lambda: delivered == ["after"], "the second message")
-        with pg_engine.connect() as conn:
-            named = m.c.payload["n"].as_string() == "waiting"
-            waiting = conn.execute(select(m.c.id).where(named)).scalar_one()
+
+        def waiting_retry() -> int | None:  # its retry is written: pending, an hour away
+            with pg_engine.connect() as conn:
+                named = m.c.payload["n"].as_string() == "waiting"
+                row = conn.execute(select(m.c.id, m.c.status).where(named)).one()
+            return row.id if row.status == "pending" else None
+
+        waiting = wait_until(waiting_retry, "the first attempt's retry to be written")
         ops.retry_now(pg_engine, ops.MessageFilter(ids=(waiting,)), reason="partner is back", actor="ops")
         wait_until(lambda: "waiting" in delivered, "the retried-now message, from the front")
     assert statuses(pg_engine) == {"waiting": "delivered", "after": "delivered"}
