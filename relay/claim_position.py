@@ -88,6 +88,11 @@ class ClaimPositions:
         #: retries this relay wrote: (when due, queue, position), soonest first
         self._due: list[tuple[float, str, tuple[int, int]]] = []
         self._held = False
+        # What a claim in flight cannot have seen: a commit heard, or a rewind, after its snapshot may
+        # have been taken. Its result must not move the position past them (see claimed()).
+        self._heard_since_start: dict[str, tuple[int, int]] = {}
+        self._rewinds = 0
+        self._rewinds_at_start: dict[str, int] = {}
 
     @property
     def held(self) -> bool:
@@ -109,6 +114,8 @@ class ClaimPositions:
         behind it are looked for beside the claims (:meth:`sweep_due`).
         """
         now = self._clock()
+        self._heard_since_start.pop(queue, None)
+        self._rewinds_at_start[queue] = self._rewinds
         while self._due and self._due[0][0] <= now:
             _, due_queue, due = heapq.heappop(self._due)
             self.lower(due_queue, due)
@@ -136,7 +143,13 @@ class ClaimPositions:
         return now - self._front_scanned.get(queue, float("-inf")) >= every
 
     def claimed(self, queue: str, started: Position, rows: Sequence[Any], limit: int, seconds: float) -> None:
-        """Record a claim that started at ``started``, took ``rows`` (sorted) of ``limit``, in ``seconds``."""
+        """Record a claim that started at ``started``, took ``rows`` (sorted) of ``limit``, in ``seconds``.
+
+        Listening, what was heard while the claim ran wins over its result: a
+        row whose commit was heard after the claim took its snapshot is not in
+        ``rows``, and a claim that found nothing must not then wait at the end
+        of the queue with that row behind it.
+        """
         if started is None:
             self.swept(queue, seconds)
         if rows and (self._held or len(rows) >= limit):
@@ -146,12 +159,23 @@ class ClaimPositions:
             self._at[queue] = END
         else:
             self._at.pop(queue, None)
+        if not self._held:
+            return
+        heard = self._heard_since_start.pop(queue, None)
+        if self._rewinds != self._rewinds_at_start.get(queue, self._rewinds):
+            self._at.pop(queue, None)
+        elif heard is not None and heard < self._at[queue]:
+            self._at[queue] = heard
 
     def lower(self, queue: str, position: tuple[int, int]) -> None:
         """Something at ``position`` may be claimable now: the next claim of ``queue`` starts there."""
         at = self._at.get(queue)
         if at is not None and position < at:
             self._at[queue] = position
+        if self._held:
+            heard = self._heard_since_start.get(queue)
+            if heard is None or position < heard:
+                self._heard_since_start[queue] = position
 
     def due_at(self, queue: str, position: tuple[int, int], seconds: float) -> None:
         """A row at ``position`` becomes claimable in ``seconds``: move back to it then."""
@@ -161,3 +185,4 @@ class ClaimPositions:
     def rewind(self) -> None:
         """Anything anywhere may be claimable: every queue's next claim starts at the front."""
         self._at.clear()
+        self._rewinds += 1

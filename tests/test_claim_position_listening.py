@@ -80,6 +80,25 @@ def test_what_is_heard_or_done_moves_a_held_position_back_and_never_forward():
     assert positions.start("q") is None
 
 
+def test_what_is_heard_while_a_claim_runs_outlasts_that_claims_result():
+    """A claim's snapshot may predate a commit heard meanwhile: it must not wait at the end past it."""
+    positions, _ = held_positions()
+    start = positions.start("q")
+    positions.lower("q", (0, 30))  # heard while the claim ran; sorts after its start
+    positions.claimed("q", start, [], limit=5, seconds=0.001)  # found nothing: its snapshot missed it
+    assert positions.start("q") == (0, 30)
+    start = positions.start("q")
+    positions.lower("q", (0, 25))  # an id taken early, heard while a claim takes later rows
+    positions.claimed("q", start, rows((0, 30), (0, 31)), limit=5, seconds=0.001)
+    assert positions.start("q") == (0, 25)
+    start = positions.start("q")
+    positions.rewind()  # an operator's action, heard while the claim ran
+    positions.claimed("q", start, rows((0, 32)), limit=5, seconds=0.001)
+    assert positions.start("q") is None
+    positions.claimed("q", None, rows((0, 40)), limit=5, seconds=0.001)
+    assert positions.start("q") == (0, 40)  # heard before the claim began: already in its start
+
+
 def test_a_relay_that_stops_listening_forgets_its_positions_and_its_retries():
     positions, clock = held_positions()
     positions.due_at("q", (0, 3), 0.1)
