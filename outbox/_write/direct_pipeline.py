@@ -3,14 +3,8 @@
 psycopg's ``Pipeline`` costs an emitting request about 100 µs of CPU a commit
 (its result queue, cursors and generators), more than the server spends
 executing the INSERT. Once psycopg has prepared the INSERT on a connection,
-this module queues Bind and Execute for that statement, then the COMMIT and a
-Sync, sends them in one write, and reads the replies with libpq: about 100 µs
-of CPU less a commit (bench/RESULTS.md, "Emit").
-
-The INSERT is queued, not sent, when the flush writes it: it leaves with the
-COMMIT and the Sync. Sent at once, it cost a second write to the socket and a
-second wake-up of the server for each commit, which on a busy host cost the
-request more than the server's head start on the INSERT gave back
+this module sends Bind and Execute for that statement, then the COMMIT and a
+Sync, and reads the replies with libpq: about 100 µs of CPU less a commit
 (bench/RESULTS.md, "Emit").
 
 The statement must be psycopg's, not one of our own: psycopg deallocates every
@@ -68,7 +62,7 @@ def prepared_statement(raw: psycopg.Connection[Any], sql: str, params: Sequence[
 
 
 class DirectBatch:
-    """The INSERT queued in libpq pipeline mode; the COMMIT may follow; the Sync sends and ends it."""
+    """The INSERT sent in libpq pipeline mode; the COMMIT may follow; one Sync ends it."""
 
     __slots__ = ("_raw", "_pgconn", "inserted", "_stored", "committed")
 
@@ -85,8 +79,8 @@ class DirectBatch:
         self.committed = False
         pgconn.enter_pipeline_mode()
         try:
-            # Queued in libpq's buffer (unless it outgrows it): ``finish`` sends it with the COMMIT.
             pgconn.send_query_prepared(name, params, param_formats=formats)
+            pgconn.flush()  # on its way now, so the server works while SQLAlchemy winds up
         except BaseException:
             self.leave()
             raise
@@ -95,7 +89,7 @@ class DirectBatch:
         self._pgconn.send_query_params(_COMMIT, None)
 
     def finish(self) -> None:
-        """Send what is queued and a Sync, read the replies up to it, leave pipeline mode; raise a refusal."""
+        """Read every reply up to the Sync and leave pipeline mode; raise the first refusal."""
         pgconn = self._pgconn
         pgconn.pipeline_sync()
         refusal: pq.abc.PGresult | None = None

@@ -184,8 +184,7 @@ def _listeners_for(cls: type[Session]) -> list[tuple[str, Callable[..., Any]]]:
         if state is None or not state.committing:
             _flush_owed(session)
         elif _rest_of_flush_is_quiet(session):
-            # The commit's flush: write now (psycopg's Pipeline sends it at once, so
-            # PostgreSQL works while the flush winds up; libpq queues it for the COMMIT).
+            # The commit's flush: send now, so PostgreSQL works while the flush winds up.
             _flush_owed(session, pipelined=True)
         # else before_commit writes once the flush has finished
 

@@ -1,15 +1,16 @@
 """The commit's outbox INSERT, sent in psycopg pipeline mode and answered with the COMMIT.
 
 Without this, an emitting request waits for two replies in a row, the INSERT's
-and then the COMMIT's. In pipeline mode the COMMIT follows the INSERT in the
-same pipeline, and one wait reads both replies. The benchmark's emit overhead
-fell from about 1.4 to about 1.2 (bench/RESULTS.md, "Emit").
+and then the COMMIT's, and PostgreSQL sits idle while SQLAlchemy runs its
+commit machinery in between. In pipeline mode the INSERT is sent and executes
+while that Python runs; the COMMIT follows in the same pipeline, and one wait
+reads both replies. The benchmark's emit overhead fell from about 1.4 to about
+1.2 (bench/RESULTS.md, "Emit").
 
 Such a commit goes through psycopg's ``Pipeline`` until psycopg has prepared
 the INSERT on the connection (as it prepares any statement, after
-``prepare_threshold`` runs); psycopg sends the INSERT at once. Later ones
-queue that prepared statement straight in libpq (``direct_pipeline``), which
-costs the request far less CPU, and send it with the COMMIT in one write.
+``prepare_threshold`` runs); later ones send that prepared statement straight
+through libpq (``direct_pipeline``), which costs the request far less CPU.
 Both are read and handled alike below.
 
 A pending reply is a hazard for anything else that uses the connection: an
