@@ -11,13 +11,18 @@ and cache effects fall evenly on all), each timed on its own:
   shape is the common one where the handler needs the row's generated id, and
   it is the one where the emit's INSERT cannot ride with the flush's;
 - ``raw`` (psycopg only): the outbox row alone, written by raw psycopg 3 and
-  committed (``raw_insert``), the floor under what an emit can cost.
+  committed (``raw_insert``), the floor under what an emit can cost;
+- ``raw_plain`` and ``raw_enqueue`` (psycopg only): the domain row written by
+  raw psycopg 3 and committed, and the same with the outbox row written by
+  hand before the commit: a queue without a library. Their difference is what
+  a hand-written enqueue adds to a plain psycopg transaction.
 
 The headline ratios are plain rate / emit rate for each shape: the whole cost
 of adopting the outbox for a transaction that emits. Beside them, the time an
-emit adds to a transaction in µs, next to the raw INSERT's. The check: every
-emitting transaction's event is stored exactly once, with its route, every raw
-row is there, and no other transaction stored one.
+emit adds to a transaction in µs, next to what the hand-written enqueue adds
+to its own transaction. The check: every emitting transaction's event is
+stored exactly once, with its route, every raw row is there, and no other
+transaction stored one.
 """
 
 from __future__ import annotations
@@ -33,13 +38,16 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from outbox import emit, outbox_message
 
 from .app import EVENTS, ob
-from .raw_insert import RAW_ROUTE, RawInserter
+from .raw_insert import ENQUEUE_ROUTE, RAW_ROUTE, RawInserter
 from .verify import Unverified
 
 __all__ = ["Order", "emit_overhead", "outbox_sessions"]
 
-#: The ORM kinds; ``raw`` joins them on psycopg.
+#: The ORM kinds; the raw ones join them on psycopg.
 KINDS = ("plain", "installed", "emit", "plain_flush", "emit_flush")
+RAW_KINDS = ("raw", "raw_plain", "raw_enqueue")
+#: The kinds that write a domain row, and so are counted in ``bench_order``.
+ORDER_KINDS = (*KINDS, "raw_plain", "raw_enqueue")
 EMITTING = ("emit", "emit_flush")
 WARMUP = 100
 
@@ -96,13 +104,18 @@ def emit_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
     installed = outbox_sessions()
     installed.configure(bind=engine)
     raw = RawInserter(url) if url.get_driver_name() == "psycopg" else None
-    kinds = KINDS if raw is None else (*KINDS, "raw")
+    kinds = KINDS if raw is None else (*KINDS, *RAW_KINDS)
 
     def once(kind: str, n: int) -> float:
         began = time.perf_counter()
-        if kind == "raw":
+        if kind.startswith("raw"):
             assert raw is not None
-            raw.insert(n)
+            if kind == "raw":
+                raw.insert(n)
+            elif kind == "raw_plain":
+                raw.order(n, kind)
+            else:
+                raw.enqueue(n, kind)
             return time.perf_counter() - began
         with (plain if kind.startswith("plain") else installed)() as session, session.begin():
             session.add(Order(n=n, kind=kind, note=f"order {n}"))
@@ -136,6 +149,8 @@ def emit_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
         "added_us": added_us("emit", "plain"),
         "added_us_flush": added_us("emit_flush", "plain_flush"),
         "raw_us": None if raw is None else spent["raw"] / transactions * 1e6,
+        "raw_plain_us": None if raw is None else spent["raw_plain"] / transactions * 1e6,
+        "raw_enqueue_added_us": None if raw is None else added_us("raw_enqueue", "raw_plain"),
     }
 
 
@@ -145,7 +160,8 @@ def _verify(engine: Engine, per_kind: int, *, raw: bool) -> None:
         by_kind = dict(conn.execute(select(Order.kind, func.count()).group_by(Order.kind)).all())
         stored = conn.execute(select(m.c.handler, m.c.payload)).all()
         emitted = set(conn.execute(select(Order.n).where(Order.kind.in_(EMITTING))).scalars())
-    if by_kind != dict.fromkeys(KINDS, per_kind):
+        enqueued = set(conn.execute(select(Order.n).where(Order.kind == "raw_enqueue")).scalars())
+    if by_kind != dict.fromkeys(ORDER_KINDS if raw else KINDS, per_kind):
         raise Unverified(f"domain rows per kind: {by_kind}, expected {per_kind} each")
     by_route: dict[str, list[Any]] = {}
     for row in stored:
@@ -156,9 +172,12 @@ def _verify(engine: Engine, per_kind: int, *, raw: bool) -> None:
     expected = per_kind * len(EMITTING)
     if len(numbers) != expected or set(numbers) != emitted or len(set(numbers)) != len(numbers):
         raise Unverified(f"{len(numbers)} stored events for {expected} emitting transactions")
-    raw_numbers = by_route.pop(RAW_ROUTE, [])
     want = per_kind if raw else 0
-    if len(raw_numbers) != want or len(set(raw_numbers)) != want or None in raw_numbers:
-        raise Unverified(f"{len(raw_numbers)} raw rows for {want} raw transactions")
+    for route in (RAW_ROUTE, ENQUEUE_ROUTE):
+        raw_numbers = by_route.pop(route, [])
+        if len(raw_numbers) != want or len(set(raw_numbers)) != want or None in raw_numbers:
+            raise Unverified(f"{len(raw_numbers)} {route} rows for {want} raw transactions")
+        if route == ENQUEUE_ROUTE and set(raw_numbers) != enqueued:
+            raise Unverified("hand-enqueued rows do not match their transactions' domain rows")
     if by_route:
         raise Unverified(f"events stored for unexpected routes: {sorted(by_route)}")

@@ -1,11 +1,19 @@
 """The floor under mode 1: the outbox row written with raw psycopg 3, no ORM, no outbox code.
 
-Each call is one transaction: one ``INSERT`` of the row ``emit()`` stores for
-the ``noop`` route (the same columns, values, casts and ``ON CONFLICT`` clause
-as the outbox's own psycopg statement), then ``COMMIT``. Its time, beside what
-an ``emit()`` adds to an ORM transaction, shows how much of that cost is the
-write itself and how much is the library around it. The rows go to a route
-name no other kind uses, so the emit mode's check can tell them apart.
+Each call is one transaction on one open connection:
+
+- ``insert``: one ``INSERT`` of the row ``emit()`` stores for the ``noop``
+  route (the same columns, values, casts and ``ON CONFLICT`` clause as the
+  outbox's own psycopg statement), then ``COMMIT``;
+- ``order``: the domain row alone, as the ORM's flush writes it (``INSERT ...
+  RETURNING id``), then ``COMMIT``: a plain psycopg transaction;
+- ``enqueue``: the same domain row, then the outbox row, then ``COMMIT``: a
+  queue written by hand in the application's transaction.
+
+``enqueue`` minus ``order`` is what a hand-written enqueue adds to a plain
+psycopg transaction, the figure to read beside what an ``emit()`` adds to an
+ORM one. The rows go to route names no other kind uses, so the emit mode's
+check can tell them apart.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from outbox._outbox import DEFAULT_MAX_ATTEMPTS, DEFAULT_PRIORITY, DEFAULT_QUEUE
 from .app import EVENTS
 from .harness import conninfo
 
-__all__ = ["RAW_ROUTE", "RawInserter"]
+__all__ = ["ENQUEUE_ROUTE", "RAW_ROUTE", "RawInserter"]
 
 #: The ``handler`` of the raw rows: not a route, only a label the check counts.
 RAW_ROUTE = "raw"
+#: The same, for the rows ``enqueue`` writes beside a domain row.
+ENQUEUE_ROUTE = "raw_enqueue"
 
 _INSERT = (
     "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
@@ -33,6 +43,8 @@ _INSERT = (
     " now(), now(), now() + %s * interval '1 second')"
     " ON CONFLICT (handler, idempotency_key) DO NOTHING"
 )
+#: What the ORM's flush sends for the benchmark's domain row.
+_ORDER = "INSERT INTO bench_order (n, kind, note) VALUES (%s, %s, %s) RETURNING bench_order.id"
 
 
 class RawInserter:
@@ -43,13 +55,28 @@ class RawInserter:
 
     def insert(self, n: int) -> None:
         """What an application hand-writing its outbox row pays: build the row, INSERT, COMMIT."""
+        self._outbox_row(n, RAW_ROUTE)
+        self._conn.commit()
+
+    def order(self, n: int, kind: str) -> None:
+        """A plain psycopg transaction: the domain row, COMMIT."""
+        self._conn.execute(_ORDER, (n, kind, f"order {n}")).fetchone()
+        self._conn.commit()
+
+    def enqueue(self, n: int, kind: str) -> None:
+        """The domain row and, by hand, its outbox row in the same transaction, COMMIT."""
+        self._conn.execute(_ORDER, (n, kind, f"order {n}")).fetchone()
+        self._outbox_row(n, ENQUEUE_ROUTE)
+        self._conn.commit()
+
+    def _outbox_row(self, n: int, route: str) -> None:
         payload = json.dumps({"n": n, "order": f"order {n}"}, separators=(",", ":"))
         self._conn.execute(
             _INSERT,
             (
                 uuid.uuid4(),
                 EVENTS["noop"],
-                RAW_ROUTE,
+                route,
                 DEFAULT_QUEUE,
                 DEFAULT_PRIORITY,
                 payload,
@@ -62,7 +89,6 @@ class RawInserter:
                 0.0,
             ),
         )
-        self._conn.commit()
 
     def close(self) -> None:
         self._conn.close()

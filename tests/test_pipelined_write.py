@@ -134,6 +134,31 @@ def test_later_commits_send_psycopgs_prepared_insert_through_libpq(engine, direc
     assert stored(engine) == (PREPARED_AFTER + 2, PREPARED_AFTER + 2)
 
 
+def test_each_direct_commit_stores_its_own_values(engine, direct_sends):
+    """Commits sent through libpq on one connection each store their own payload, key and headers.
+
+    The statement is converted once per connection and only its parameters are
+    dumped again at each commit: no commit may send another's values.
+    """
+    ob = make_outbox()
+    factory = sessionmaker(engine)
+    ob.install(factory)
+    prepare_on_the_pool(factory, engine)
+    for number in range(4):
+        with factory() as s, s.begin():
+            s.add(Invoice(number=f"V-{number}"))
+            key = f"key {number}" if number % 2 else None
+            emit(s, "invoice.issued", {"number": number}, key=key, headers={"n": str(number)})
+    ob.uninstall(factory)
+    assert len(direct_sends) == 4
+    with engine.connect() as conn:
+        rows = conn.execute(select(m.c.payload, m.c.idempotency_key, m.c.headers).order_by(m.c.id)).all()
+    assert [tuple(row) for row in rows] == [
+        ({"number": number}, f"key {number}" if number % 2 else None, {"n": str(number)})
+        for number in range(4)
+    ]
+
+
 def test_an_emit_after_the_prepared_statements_are_deallocated_still_commits(maker, engine):
     """psycopg's record of its statements is followed: DEALLOCATE ALL cannot fail a later commit."""
     with maker() as s, s.begin():

@@ -21,6 +21,7 @@ which is as correct and only slower.
 from __future__ import annotations
 
 import select
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,13 +48,48 @@ _HAS_POLL = hasattr(select, "poll")
 Statement = tuple[bytes, Sequence[Any], Sequence[pq.Format] | None]
 
 
+#: Per connection, each statement text converted once (psycopg's own query object, parsed for
+#: its placeholders, with a Transformer that keeps the dumpers it looked up): a commit only
+#: dumps its parameters, 2 µs instead of 9. Keyed weakly, and the Transformer reaches the
+#: connection through a weak proxy, so nothing here keeps a dropped connection alive.
+_converted: weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, Any]] = weakref.WeakKeyDictionary()
+#: Statement texts kept per connection; past it the cache starts over (batches of many sizes).
+_CONVERTED_MAX = 64
+
+
+class _Context:
+    """What a Transformer takes from a connection (its adapters, and the connection for its encoding)."""
+
+    __slots__ = ("adapters", "connection")
+
+    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+        self.adapters = raw.adapters
+        self.connection = weakref.proxy(raw)
+
+
+def _query_for(raw: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> Any:
+    """``sql`` converted with ``params`` dumped, as psycopg's cursor would convert it."""
+    queries = _converted.get(raw)
+    if queries is None:
+        queries = _converted[raw] = {}
+    query: Any = queries.get(sql)
+    if query is None:
+        if len(queries) >= _CONVERTED_MAX:
+            queries.clear()
+        query = PostgresQuery(Transformer(_Context(raw)))
+        query.convert(sql, params)
+        queries[sql] = query
+    else:
+        query.dump(params)
+    return query
+
+
 def prepared_statement(raw: psycopg.Connection[Any], sql: str, params: Sequence[Any]) -> Statement | None:
     """psycopg's prepared statement for ``sql`` with these parameters' types, if it has one."""
     names = getattr(getattr(raw, "_prepared", None), "_names", None)
     if not names or PostgresQuery is None or not isinstance(names, dict):
         return None
-    query = PostgresQuery(Transformer.from_context(raw))
-    query.convert(sql, params)
+    query = _query_for(raw, sql, params)
     # psycopg's own cache key (PrepareManager.key): the converted query and the parameters' types.
     name = names.get((query.query, query.types))
     if not isinstance(name, bytes) or query.params is None:

@@ -164,18 +164,27 @@ def _psycopg_statements(rows: list[dict[str, Any]], *, returning: bool) -> list[
     ]
 
 
-def _psycopg_statement(rows: list[dict[str, Any]], *, returning: bool) -> tuple[str, tuple[Any, ...]]:
-    expiring = _expiring(rows)
+@functools.lru_cache(maxsize=256)
+def _psycopg_sql(count: int, *, expiring: bool, returning: bool) -> str:
+    """The INSERT's text for ``count`` rows: built once per shape, so each commit only fills parameters.
+
+    The same text object each time also spares psycopg re-hashing it to find its prepared statement.
+    """
     columns, row_sql = (
         (_PSYCOPG_EXPIRING_COLUMNS, f"{_PSYCOPG_ROW}{_PSYCOPG_EXPIRY})")
         if expiring
         else (_PSYCOPG_COLUMNS, f"{_PSYCOPG_ROW})")
     )
-    sql = (
+    return (
         f"INSERT INTO outbox_message ({columns}) VALUES "
-        + ", ".join([row_sql] * len(rows))
+        + ", ".join([row_sql] * count)
         + (_CONFLICT_RETURNING if returning else _CONFLICT_SQL)
     )
+
+
+def _psycopg_statement(rows: list[dict[str, Any]], *, returning: bool) -> tuple[str, tuple[Any, ...]]:
+    expiring = _expiring(rows)
+    sql = _psycopg_sql(len(rows), expiring=expiring, returning=returning)
     params: list[Any] = []
     for row in rows:
         headers = row["headers"]
