@@ -211,7 +211,11 @@ class Store:
             "before_id": before[1],
             "block_on_dead": self.group_policy == "block",
         }
-        with self._autocommit.connect() as conn:
+        with self.engine.begin() as conn:
+            # As outbox_claim (outbox_0023): from the position in the claim index, never every
+            # pending entry of the status index, sorted: under a held horizon that is every row since.
+            conn.exec_driver_sql("SET LOCAL enable_sort = off")
+            conn.exec_driver_sql("SET LOCAL enable_seqscan = off")
             row = conn.exec_driver_sql(self.calls().first_due, params).first()
         return None if row is None else (int(row[0]), int(row[1]))
 

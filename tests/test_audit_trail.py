@@ -608,9 +608,16 @@ def test_a_tenant_schema_gets_functions_that_name_its_own_tables(pg_url):
         }
         for body in bodies:
             # Pinned first; the partition functions (outbox_0024) also read bounds in UTC and ISO, and
-            # wait for the history table's lock only so long.
+            # wait for the history table's lock only so long; the claim plans no sort nor table scan
+            # (outbox_0023).
             assert body.proconfig[0] == "search_path=pg_catalog, pg_temp", body.proname
-            assert set(body.proconfig[1:]) <= {"TimeZone=UTC", "DateStyle=ISO, YMD", "lock_timeout=2s"}
+            assert set(body.proconfig[1:]) <= {
+                "TimeZone=UTC",
+                "DateStyle=ISO, YMD",
+                "lock_timeout=2s",
+                "enable_sort=off",
+                "enable_seqscan=off",
+            }
             named = set(re.findall(r"(\S+)\.outbox_(?:message|attempt|retention_run)\b", body.prosrc))
             assert named <= {'"tenant_a"'}, (body.proname, named)
         result = ops.purge(tenant, delivered_older_than=timedelta(0), history_older_than=timedelta(days=1))
