@@ -21,7 +21,7 @@ from .app import EVENTS
 from .drain import RelaySettings
 from .emit import Base, Order, outbox_sessions
 from .harness import Scratch, relays, wait_drained, wait_listening
-from .verify import Expected, Unverified, check_delivered, percentile, read_traces
+from .verify import Expected, check_delivered, percentile, read_handler_starts, read_traces
 
 __all__ = ["wake_latency"]
 
@@ -56,14 +56,7 @@ def wake_latency(scratch: Scratch, *, rate: float, seconds: float, settings: Rel
     expected = Expected(count, relays=[procs[0].name])
     check_delivered(url, expected)
     read_traces(workdir, "latency", expected)
-    started: dict[int, float] = {}
-    for line in samples.read_text().splitlines():
-        n_text, at = line.split()
-        if int(n_text) in started:
-            raise Unverified(f"handler started twice for n={n_text}")
-        started[int(n_text)] = float(at)
-    if set(started) != set(committed):
-        raise Unverified(f"{len(started)} handler starts recorded for {len(committed)} commits")
+    started = read_handler_starts(samples, committed)
     latencies = [(started[n] - committed[n]) * 1000 for n in committed]
     return {
         "p50": percentile(latencies, 50),

@@ -57,7 +57,7 @@ from sqlalchemy.engine import URL
 from .app import EVENTS, ob
 from .drain import RelaySettings
 from .harness import Scratch, conninfo, relays, wait_drained, wait_listening
-from .verify import Expected, Unverified, check_delivered, percentile, read_traces
+from .verify import Expected, Unverified, check_delivered, percentile, read_handler_starts, read_traces
 
 __all__ = ["PHASES", "PRESSURE_MODES", "PressureSizes", "add_arguments", "pressure", "sizes_from"]
 
@@ -298,14 +298,7 @@ def pressure(scratch: Scratch, *, kind: str, sizes: PressureSizes, settings: Rel
     expected = Expected(len(committed), relays=[procs[0].name])
     check_delivered(url, expected)
     read_traces(workdir, "latency", expected)
-    started: dict[int, float] = {}
-    for line in samples.read_text().splitlines():
-        n_text, at = line.split()
-        if int(n_text) in started:
-            raise Unverified(f"handler started twice for n={n_text}")
-        started[int(n_text)] = float(at)
-    if set(started) != set(committed):
-        raise Unverified(f"{len(started)} handler starts recorded for {len(committed)} commits")
+    started = read_handler_starts(samples, committed)
     result: dict[str, Any] = {"kind": kind, "messages": len(committed), **held}
     for name, phase in phases.items():
         result[name] = _figures(phase, committed, started)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +27,7 @@ __all__ = [
     "drain_window",
     "percentile",
     "read_calls",
+    "read_handler_starts",
     "read_traces",
 ]
 
@@ -147,6 +148,19 @@ def read_traces(directory: Path, route: str, expected: Expected) -> int:
     if min(counts) < 1 or max(counts) > 2 or (expected.failing == 0 and max(counts) != 1):
         raise Unverified(f"a message ran {min(counts)} to {max(counts)} times")
     return calls_total
+
+
+def read_handler_starts(samples: Path, committed: Mapping[int, float]) -> dict[int, float]:
+    """The handler's start time per message number, from its samples file: one per commit, none twice."""
+    started: dict[int, float] = {}
+    for line in samples.read_text().splitlines():
+        n_text, at = line.split()
+        if int(n_text) in started:
+            raise Unverified(f"handler started twice for n={n_text}")
+        started[int(n_text)] = float(at)
+    if set(started) != set(committed):
+        raise Unverified(f"{len(started)} handler starts recorded for {len(committed)} commits")
+    return started
 
 
 def read_calls(directory: Path, route: str) -> int:

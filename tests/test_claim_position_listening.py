@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from types import SimpleNamespace
-from typing import Any
 
 import psycopg
 import pytest
@@ -23,6 +21,7 @@ from relayproc import wait_until
 from sqlalchemy import select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from test_claim_position import Clock, rows
 
 import outbox
 from outbox import RetryLater, emit, ops
@@ -31,18 +30,6 @@ from outbox.relay.claim_position import END, FRONT_SCAN_EVERY, FRONT_SCAN_MAX, C
 
 m = outbox.outbox_message
 NEVER = 3600.0
-
-
-def rows(*positions: tuple[int, int]) -> list[Any]:
-    return [SimpleNamespace(priority=p, id=i) for p, i in positions]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def held_positions() -> tuple[ClaimPositions, Clock]:
