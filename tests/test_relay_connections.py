@@ -142,23 +142,32 @@ def test_a_relay_holds_three_connections_of_its_own_and_borrows_the_rest_from_it
     relay = Relay(ob, engine, poll_interval=0.1)
     thread = threading.Thread(target=relay.run)
     seen: dict[int, str] = {}
+
+    def sample() -> None:
+        with admin.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT pid, application_name FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> :own"
+                ),
+                {"own": own_pid},
+            ).all()
+        assert len(rows) <= 3 + pool_size, rows  # the test's own emits share the pool
+        seen.update(dict(rows))  # type: ignore[arg-type]
+
+    def all_delivered_and_sampled() -> bool:
+        # the outcome connection opens on the first write, which may come after the last emit
+        sample()
+        return len(delivered) == 100 and "outbox-relay write" in seen.values()
+
     thread.start()
     try:
         for batch in range(20):
             with maker.begin() as s:
                 for number in range(5):
                     emit(s, "e", {"n": batch * 5 + number})
-            with admin.connect() as conn:
-                rows = conn.execute(
-                    text(
-                        "SELECT pid, application_name FROM pg_stat_activity "
-                        "WHERE datname = current_database() AND pid <> :own"
-                    ),
-                    {"own": own_pid},
-                ).all()
-            assert len(rows) <= 3 + pool_size, rows  # the test's own emits share the pool
-            seen.update(dict(rows))  # type: ignore[arg-type]
-        wait_until(lambda: len(delivered) == 100, "every message delivered")
+            sample()
+        wait_until(all_delivered_and_sampled, "every message delivered, its outcome connection seen")
     finally:
         relay.stop()
         thread.join(10)
