@@ -352,11 +352,36 @@ def _lag(load: range, committed: dict[int, float], started: dict[int, float]) ->
         slot = int((at - first) // _LAG_WINDOW)
         if 0 <= slot < len(buckets):
             buckets[slot] += 1
-    return {"backlog_max": backlog, "slowest_10s_per_s": round(min(buckets) / _LAG_WINDOW, 1)}
+    return {
+        "backlog_max": backlog,
+        "slowest_10s_per_s": round(min(buckets) / _LAG_WINDOW, 1),
+        "stalls": _stalls(load, committed, started),
+    }
+
+
+def _stalls(load: range, committed: dict[int, float], started: dict[int, float]) -> list[str]:
+    """The worst seconds of the window by claim latency, as UTC commit times, to look up in the server log.
+
+    A stall of a second shows as a run of seconds whose commits all waited; the
+    server's log (statements over ``log_min_duration_statement``, autovacuum,
+    checkpoints) at those times says what the relay was waiting behind.
+    """
+    worst: dict[int, float] = {}
+    for n in load:
+        second = int(committed[n])
+        worst[second] = max(worst.get(second, 0.0), started[n] - committed[n])
+    slow = sorted((lag, second) for second, lag in worst.items() if lag >= _STALL)
+    return [
+        f"{time.strftime('%H:%M:%S', time.gmtime(second))} {lag * 1000:.0f} ms"
+        for lag, second in sorted(slow[-_STALLS_LISTED:], key=lambda item: item[1])
+    ]
 
 
 #: Seconds per bucket of :func:`_lag`'s slowest-window rate.
 _LAG_WINDOW = 10.0
+#: A claim latency (seconds) that :func:`_stalls` lists its second for, and how many it lists at most.
+_STALL = 0.1
+_STALLS_LISTED = 30
 
 
 # -- the report --------------------------------------------------------------------------------

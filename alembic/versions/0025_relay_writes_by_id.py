@@ -1,0 +1,123 @@
+"""The relay's outcome, renewal and release find their rows through the primary key alone.
+
+Revision ID: outbox_0025
+Revises: outbox_0024
+Create Date: 2026-12-20
+
+``outbox_complete``, ``outbox_extend`` and ``outbox_release`` are given the ids
+of the rows they change, and check that each is still ``running`` under this
+relay. The planner read ``status = 'running'`` as a way in: the partial index
+``ix_outbox_message_status_handler`` holds running rows, and by the live rows
+the statistics count (a few hundred) a bitmap scan of it looked cheaper than
+a hundred primary-key lookups. While a transaction holds back the xmin horizon
+that index keeps an entry for every row that was ever running, and the relay's
+outcome write read them all: in a pressure run at 1,000 messages a second it
+took 200 ms a batch two minutes into the hold and 300 ms five minutes in, one
+batch after another, which is what the relay waited for (a bitmap scan of
+339,569 entries and 15,145 heap pages to update nothing).
+
+``IS NOT DISTINCT FROM`` is the same test on a ``NOT NULL`` column, and no
+index answers it: the ids are the only way in, whatever the statistics say.
+The three also run with ``enable_seqscan = off``, as the claim does since
+``outbox_0023``: a plan kept from when the table was small would otherwise
+read it whole for a batch of ids, and under a hold the table keeps every
+version. (Setting that alone, without the change above, made it worse: the
+status index was then the only other way in.) The functions are otherwise
+those of ``outbox_0021`` (complete) and ``outbox_0015`` (extend, release);
+CREATE OR REPLACE keeps their owner and grants. The downgrade restores those
+bodies and settings.
+
+SQLite has no functions: nothing changes there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "outbox_0025"
+down_revision = "outbox_0024"
+branch_labels = None
+depends_on = None
+
+#: The status test each function makes, and the same test no index can answer.
+_INDEXABLE = "{alias}.status = 'running'"
+_BY_ID_ONLY = "{alias}.status IS NOT DISTINCT FROM 'running'"
+#: Where each function tests it: in the WHERE of a statement that reads the table (the SELECT
+#: list of complete's ``claimed`` keeps its comparison: it filters nothing).
+_TESTS = {
+    "outbox_complete": ("AND m.locked_by = me AND m.status = 'running' AND m.attempts = o.attempt",),
+    "outbox_extend": (
+        "AND c.locked_by = me AND c.status = 'running'",
+        "AND m.locked_by = me AND m.status = 'running';",
+    ),
+    "outbox_release": ("AND m.locked_by = me AND m.status = 'running';",),
+}
+
+
+def _earlier(name: str) -> ModuleType:
+    """An earlier revision's module, whose function bodies this one changes."""
+    path = next(Path(__file__).parent.glob(f"{name}_*.py"))
+    spec = importlib.util.spec_from_file_location(f"_outbox_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _schema() -> tuple[str, str]:
+    bind = op.get_bind()
+    name = str(bind.execute(sa.text("SELECT current_schema()")).scalar_one())
+    return bind.dialect.identifier_preparer.quote_identifier(name), name
+
+
+def _bodies(s: str) -> dict[str, str]:
+    """The three functions as ``outbox_0021`` and ``outbox_0015`` left them, as CREATE OR REPLACE."""
+    bodies = {"outbox_complete": _earlier("0021")._complete(s, parking=True)}
+    for body in _earlier("0015")._sql(s):
+        for name in ("outbox_extend", "outbox_release"):
+            if f"FUNCTION {s}.{name}(" in body:
+                bodies[name] = body.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+    assert set(bodies) == set(_TESTS), sorted(bodies)
+    return bodies
+
+
+def _by_id(name: str, body: str) -> str:
+    for test in _TESTS[name]:
+        assert body.count(test) == 1, (name, test)
+        alias = test.split(".status", 1)[0].rsplit(" ", 1)[1]
+        body = body.replace(
+            test, test.replace(_INDEXABLE.format(alias=alias), _BY_ID_ONLY.format(alias=alias))
+        )
+    return body
+
+
+#: The functions' signatures, for ALTER FUNCTION.
+_SIGNATURES = {
+    "outbox_complete": "outbox_complete(text, jsonb)",
+    "outbox_extend": "outbox_extend(text, bigint[], double precision)",
+    "outbox_release": "outbox_release(text, bigint[], integer[])",
+}
+
+
+def upgrade() -> None:
+    if op.get_bind().dialect.name != "postgresql":
+        return
+    s, _ = _schema()
+    for name, body in _bodies(s).items():
+        op.execute(_by_id(name, body))
+        # ALTER FUNCTION ... SET keeps the function's owner, grants and search_path.
+        op.execute(f"ALTER FUNCTION {s}.{_SIGNATURES[name]} SET enable_seqscan = off")
+
+
+def downgrade() -> None:
+    if op.get_bind().dialect.name != "postgresql":
+        return
+    s, _ = _schema()
+    for name, body in _bodies(s).items():
+        op.execute(body)
+        op.execute(f"ALTER FUNCTION {s}.{_SIGNATURES[name]} RESET enable_seqscan")
