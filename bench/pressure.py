@@ -324,6 +324,7 @@ def _figures(phase: dict[str, Any], committed: dict[int, float], started: dict[i
         "claim_ms_max": round(max(claim), 2),
         "wake_ms_p50": round(percentile(wake, 50), 2),
         "wake_ms_p99": round(percentile(wake, 99), 2),
+        "wake_slowest": _slowest(phase["wake"], committed, started),
         "dead_message": phase["dead_message"],
         "dead_attempt": phase["dead_attempt"],
         "front_scan_buffers": phase["front_scan_buffers"],
@@ -377,11 +378,23 @@ def _stalls(load: range, committed: dict[int, float], started: dict[int, float])
     ]
 
 
+def _slowest(wake: range, committed: dict[int, float], started: dict[int, float]) -> list[str]:
+    """The slowest wake-ups, each at its commit's UTC time to the millisecond: what ran beside them."""
+    slow = sorted(wake, key=lambda n: started[n] - committed[n])[-_WAKES_LISTED:]
+    return [
+        f"{time.strftime('%H:%M:%S', time.gmtime(committed[n]))}.{int(committed[n] % 1 * 1000):03d}"
+        f" {(started[n] - committed[n]) * 1000:.1f} ms"
+        for n in sorted(slow, key=lambda n: committed[n])
+    ]
+
+
 #: Seconds per bucket of :func:`_lag`'s slowest-window rate.
 _LAG_WINDOW = 10.0
 #: A claim latency (seconds) that :func:`_stalls` lists its second for, and how many it lists at most.
 _STALL = 0.1
 _STALLS_LISTED = 30
+#: Wake-ups :func:`_slowest` lists.
+_WAKES_LISTED = 5
 
 
 # -- the report --------------------------------------------------------------------------------
