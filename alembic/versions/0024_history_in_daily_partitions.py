@@ -62,12 +62,10 @@ SQLite: nothing changes; the purge deletes rows.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
+
+from outbox.migrations.revisions import earlier
 
 revision = "outbox_0024"
 down_revision = "outbox_0023"
@@ -86,16 +84,6 @@ AHEAD = "outbox_history_partitions_ahead(integer)"
 #: The advisory lock that makes and drops history partitions one transaction at a time.
 _PARTITIONS_LOCK = "hashtext('outbox_attempt partitions')"
 _HELPERS = ("outbox_attempt_partitions()", "outbox_attempt_partition_for(date)")
-
-
-def _earlier(name: str) -> ModuleType:
-    """An earlier revision's module, whose function bodies the downgrade restores."""
-    path = next(Path(__file__).parent.glob(f"{name}_*.py"))
-    spec = importlib.util.spec_from_file_location(f"_outbox_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _unresolved(s: str) -> str:
@@ -206,7 +194,7 @@ $$
 
 def _purge_start(s: str) -> str:
     """outbox_0013's ``outbox_purge_start``, its history cutoff rounded down to a partition's start."""
-    body: str = _earlier("0013")._purge_start(s, _earlier("0013")._CUTOFF_CHECKS)
+    body: str = earlier("0013")._purge_start(s, earlier("0013")._CUTOFF_CHECKS)
     marker = "    INSERT INTO"
     rounding = f"""    -- A purge drops whole days: the cutoff moves back to the start of the day it falls in.
     SELECT p.lower_bound INTO rounded FROM {s}.outbox_attempt_partitions() p
@@ -323,7 +311,7 @@ $$
 
 def _purge_step_0007(s: str) -> str:
     """outbox_0007's ``outbox_purge_step``, for the downgrade."""
-    statements: list[str] = _earlier("0007")._pg_upgrade_sql(s)
+    statements: list[str] = earlier("0007")._pg_upgrade_sql(s)
     (step,) = [x for x in statements if f"CREATE FUNCTION {s}.outbox_purge_step(" in x]
     return step.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
 
@@ -461,7 +449,7 @@ def downgrade() -> None:
         return
     s, _ = _schema()
     _rebuild(s, partitioned=False)
-    op.execute(_earlier("0013")._purge_start(s, _earlier("0013")._CUTOFF_CHECKS))
+    op.execute(earlier("0013")._purge_start(s, earlier("0013")._CUTOFF_CHECKS))
     op.execute(_purge_step_0007(s))
     for function in (AHEAD, *reversed(_HELPERS)):
         op.execute(f"DROP FUNCTION IF EXISTS {s}.{function}")

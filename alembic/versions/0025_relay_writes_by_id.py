@@ -34,12 +34,10 @@ SQLite has no functions: nothing changes there.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
+
+from outbox.migrations.revisions import earlier
 
 revision = "outbox_0025"
 down_revision = "outbox_0024"
@@ -94,16 +92,6 @@ _SIGNATURES = {
 }
 
 
-def _earlier(name: str) -> ModuleType:
-    """An earlier revision's module, whose function bodies this one changes."""
-    path = next(Path(__file__).parent.glob(f"{name}_*.py"))
-    spec = importlib.util.spec_from_file_location(f"_outbox_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _schema() -> str:
     bind = op.get_bind()
     name = str(bind.execute(sa.text("SELECT current_schema()")).scalar_one())
@@ -112,8 +100,8 @@ def _schema() -> str:
 
 def _bodies(s: str) -> dict[str, str]:
     """The three functions as ``outbox_0021`` and ``outbox_0015`` left them, as CREATE OR REPLACE."""
-    bodies = {"outbox_complete": _earlier("0021")._complete(s, parking=True)}
-    for body in _earlier("0015")._sql(s):
+    bodies = {"outbox_complete": earlier("0021")._complete(s, parking=True)}
+    for body in earlier("0015")._sql(s):
         for name in ("outbox_extend", "outbox_release"):
             if f"FUNCTION {s}.{name}(" in body:
                 bodies[name] = body.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
