@@ -56,7 +56,17 @@ from typing import Any, Final
 
 from outbox._routes import PRIORITY_RANGE
 
-__all__ = ["END", "FRONT", "FRONT_SCAN_EVERY", "FRONT_SCAN_MAX", "ClaimPositions", "Position"]
+__all__ = [
+    "END",
+    "FRONT",
+    "FRONT_SCAN_EVERY",
+    "FRONT_SCAN_MAX",
+    "RELEASED",
+    "ClaimPositions",
+    "Position",
+    "named_position",
+    "of_schema",
+]
 
 #: The longest a row stepped over waits for a claim from the front, while the front is cheap.
 FRONT_SCAN_EVERY: Final = 1.0
@@ -186,3 +196,35 @@ class ClaimPositions:
         """Anything anywhere may be claimable: every queue's next claim starts at the front."""
         self._at.clear()
         self._rewinds += 1
+
+
+# -- what a NOTIFY names ------------------------------------------------------------------------
+
+#: The word a relay's NOTIFY after handing back claims ends with: ``'<schema> released'``, or
+#: ``'released'`` alone from relays before the schema was named. It names no position.
+RELEASED: Final = "released"
+
+
+def of_schema(payload: str, ours: str | None) -> str | None:
+    """What follows the schema in a payload of schema ``ours`` ('' if nothing); None: another schema's.
+
+    Outboxes in several schemas of one database share the channel; another's
+    rows are not this relay's to claim, and its operator actions are not a
+    reason to claim from the front. ``ours`` None (not looked up yet): every
+    payload is taken as this schema's.
+    """
+    if ours is None:
+        return payload.partition(" ")[2]
+    if payload in (ours, RELEASED):
+        return ""
+    if payload.startswith(f"{ours} "):  # a schema's name may hold spaces: never split it
+        return payload[len(ours) + 1 :]
+    return None
+
+
+def named_position(rest: str) -> tuple[str, tuple[int, int]] | None:
+    """``<priority> <id> <queue>`` (outbox_0023): the queue and its position; None for anything else."""
+    parts = rest.split(" ", 2)
+    if len(parts) == 3 and parts[0].lstrip("-").isdigit() and parts[1].isdigit():
+        return parts[2], (int(parts[0]), int(parts[1]))
+    return None

@@ -31,7 +31,7 @@ from outbox import signals
 from .announce import send
 from .batch import batch_routes, deliver_batch
 from .beside_claims import BesideTheClaims
-from .claim_position import END, ClaimPositions, Position
+from .claim_position import END, ClaimPositions, Position, named_position, of_schema
 from .db import HOT_PATH, LoopConnection
 from .deadline import Deadline
 from .dispatch import (
@@ -166,16 +166,23 @@ class Claimer:
         """A NOTIFY: ``<schema> <priority> <id> <queue>`` names where a commit's rows sort (outbox_0023).
 
         Any other payload (an operator's action, a release, an older trigger)
-        names no position: every queue is claimed from the front next.
+        names no position: every queue is claimed from the front next. A
+        payload that names another schema is another outbox sharing the
+        channel in this database: its rows are not this relay's, and it is
+        ignored (``'released'`` alone, from relays before the schema was
+        named, is taken as this schema's).
         """
-        parts = payload.split(" ", 3)
-        if len(parts) == 4 and parts[1].lstrip("-").isdigit() and parts[2].isdigit():
-            _, priority, message_id, queue = parts
-            self._positions.lower(queue, (int(priority), int(message_id)))
+        rest = of_schema(payload, self._rt.store.notify_schema)
+        if rest is None:
+            return
+        position = named_position(rest)
+        if position is None:
+            self._positions.rewind()
+        else:
+            queue, start = position
+            self._positions.lower(queue, start)
             if self._queues is None:
                 self._known_queues.add(queue)
-        else:
-            self._positions.rewind()
         self._rt.wake.set()
 
     def rewind(self) -> None:

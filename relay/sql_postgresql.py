@@ -50,14 +50,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .claim_position import FRONT, Position
+from .claim_position import FRONT, RELEASED, Position
 
 __all__ = [
     "CLAIM",
     "FUNCTIONS_SCHEMA",
     "PENDING_QUEUES",
     "PINNED_PATH",
-    "RELEASED_NOTIFY",
     "Calls",
     "calls",
     "claim_start",
@@ -68,9 +67,10 @@ __all__ = [
 #: hot-path connections run only these calls, named with their schema, so they set it once.
 PINNED_PATH = "SET search_path = pg_catalog, pg_temp"
 
-#: The schema the relay functions live in, as the engine's search path finds them (NULL: none).
+#: The schema the relay functions live in, as the engine's search path finds them (no row: none),
+#: quoted for the calls and as its NOTIFY payloads name it (outbox_0001, outbox_0023).
 FUNCTIONS_SCHEMA = (
-    "SELECT quote_ident(n.nspname) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+    "SELECT quote_ident(n.nspname), n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
     " WHERE p.oid = to_regprocedure("
     "'outbox_claim(text, double precision, text, text[], integer, integer, bigint, boolean)')"
 )
@@ -88,12 +88,20 @@ class Calls:
     recover: str
     #: the first row ``claim`` would take that sorts before a position, locking nothing (or no row)
     first_due: str
+    #: tells listening relays that claims were handed back (``claim_position.RELEASED``)
+    released: str
+    #: the schema as NOTIFY payloads name it; None: not known, every payload is taken as this schema's
+    schema_name: str | None = None
 
 
-def calls(schema: str | None) -> Calls:
-    """The calls for functions in ``schema`` (quoted); None: found through the search path."""
+def calls(schema: str | None, schema_name: str | None = None) -> Calls:
+    """The calls for functions in ``schema`` (quoted; None: found through the search path), whose
+    NOTIFY payloads name ``schema_name``."""
     f = f"{schema}." if schema else ""
+    released = f"{schema_name} {RELEASED}" if schema_name else RELEASED
     return Calls(
+        schema_name=schema_name,
+        released="SELECT pg_notify('outbox', " + "'" + released.replace("'", "''") + "')",
         claim=f"""
 WITH claimed AS (
     SELECT * FROM {f}outbox_claim(
@@ -136,11 +144,6 @@ def claim_start(start: Position) -> dict[str, int]:
     """The claim's ``from_priority`` and ``from_id`` parameters: where its scan starts (None: the front)."""
     from_priority, from_id = start or FRONT
     return {"from_priority": from_priority, "from_id": from_id}
-
-
-#: Sent after a release at shutdown: a payload that names no position, so listening relays claim from
-#: the front, where the released rows sort (``relay/claim_position.py``).
-RELEASED_NOTIFY = "SELECT pg_notify('outbox', 'released')"
 
 
 #: Distinct queues with pending rows: a loose index scan (one probe per queue) of the claim index.

@@ -110,8 +110,14 @@ class Store:
         """
         if self._calls is None:
             with self.engine.connect() as conn:
-                self._calls = pg.calls(conn.exec_driver_sql(pg.FUNCTIONS_SCHEMA).scalar())
+                found = conn.exec_driver_sql(pg.FUNCTIONS_SCHEMA).first()
+                self._calls = pg.calls(*found) if found is not None else pg.calls(None)
         return self._calls
+
+    @property
+    def notify_schema(self) -> str | None:
+        """The schema this relay's NOTIFY payloads name, once :meth:`calls` has looked it up (else None)."""
+        return self._calls.schema_name if self._calls is not None else None
 
     # -- liveness ---------------------------------------------------------------
 
@@ -322,7 +328,7 @@ class Store:
                 released = int(conn.exec_driver_sql(self.calls().release, params).scalar_one())
                 if released:
                     # Listening relays may have claimed past these rows: this sends them to the front.
-                    conn.exec_driver_sql(pg.RELEASED_NOTIFY)
+                    conn.exec_driver_sql(self.calls().released)
                 return released
         stmt = (
             update(m)

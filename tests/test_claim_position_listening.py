@@ -26,7 +26,14 @@ from test_claim_position import Clock, rows
 import outbox
 from outbox import RetryLater, emit, ops
 from outbox.relay import Relay
-from outbox.relay.claim_position import END, FRONT_SCAN_EVERY, FRONT_SCAN_MAX, ClaimPositions
+from outbox.relay.claim_position import (
+    END,
+    FRONT_SCAN_EVERY,
+    FRONT_SCAN_MAX,
+    ClaimPositions,
+    named_position,
+    of_schema,
+)
 
 m = outbox.outbox_message
 NEVER = 3600.0
@@ -126,6 +133,24 @@ def test_a_relay_that_does_not_listen_claims_from_the_front_instead_of_looking_b
     assert positions.sweep_due("q") is None
     clock.now += 0.1
     assert positions.start("q") is None
+
+
+def test_a_payload_counts_only_for_the_schema_it_names():
+    """Outboxes in several schemas of one database share the NOTIFY channel."""
+    assert of_schema("public 0 12 default", "public") == "0 12 default"
+    assert of_schema("public", "public") == ""  # an operator's action: from the front
+    assert of_schema("public released", "public") == "released"
+    assert of_schema("released", "public") == ""  # from a relay before the schema was named
+    assert of_schema("tenant_b 0 12 default", "public") is None
+    assert of_schema("tenant_b", "public") is None
+    assert of_schema("tenant_b released", "public") is None
+    assert of_schema("public two 0 12 default", "public two") == "0 12 default"  # a name with a space
+    assert of_schema("public 0 12 default", "public two") is None
+    assert of_schema("tenant_b 0 12 default", None) == "0 12 default"  # schema not known: taken as ours
+    assert named_position("0 12 default") == ("default", (0, 12))
+    assert named_position("-5 12 a queue with spaces") == ("a queue with spaces", (-5, 12))
+    assert named_position("released") is None
+    assert named_position("") is None
 
 
 # -- against PostgreSQL ----------------------------------------------------------------------
@@ -350,5 +375,48 @@ def test_a_release_at_shutdown_sends_listening_relays_to_the_front(
         listener.execute("LISTEN outbox")
         assert store.release([(row.id, row.attempts) for row in claimed]) == 1
         heard = [n.payload for n in listener.notifies(timeout=1.0)]
-    assert heard == ["released"]
+    assert heard == ["public released"]
     assert statuses(pg_engine) == {"x": "pending"}
+
+
+def test_a_listening_relay_ignores_what_another_schemas_outbox_announces(
+    pg_url: str, pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session], no_front_scans: None
+) -> None:
+    delivered: list[str] = []
+
+    @ob.handler("work", name="work")
+    def work(msg):
+        if msg.payload["n"] == "waiting" and msg.attempt == 1:
+            raise RetryLater("partner down", delay=3600)
+        delivered.append(msg.payload["n"])
+
+    named = m.c.payload["n"].as_string() == "waiting"
+    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=NEVER)
+    with Serving(relay):
+        with pg_maker() as s, s.begin():
+            emit(s, "work", {"n": "waiting"})
+        with pg_maker() as s, s.begin():
+            emit(s, "work", {"n": "after"})
+        wait_until(lambda: delivered == ["after"], "the second message")
+
+        def waiting_retry() -> int | None:  # its retry is written: pending, an hour away
+            with pg_engine.connect() as conn:
+                row = conn.execute(select(m.c.id, m.c.status).where(named)).one()
+            return row.id if row.status == "pending" else None
+
+        waiting = wait_until(waiting_retry, "the first attempt's retry to be written")
+        with pg_engine.begin() as conn:  # due now, behind the relay's position, and nothing said
+            conn.execute(m.update().where(m.c.id == waiting).values(available_at=m.c.created_at))
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as other:
+            for payload in ("tenant_b", f"tenant_b 0 {waiting} default", "tenant_b released"):
+                other.execute("SELECT pg_notify('outbox', %s)", (payload,))
+        with pg_maker() as s, s.begin():  # heard after those: delivered once they were dealt with
+            emit(s, "work", {"n": "marker"})
+        wait_until(lambda: "marker" in delivered, "a commit of this schema")
+        # Taken as this schema's, any of the three would have sent the claim that found "marker"
+        # from the front or from "waiting", and claimed "waiting" with it.
+        assert waiting_retry() == waiting
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as ours:
+            ours.execute("SELECT pg_notify('outbox', 'public')")  # as an operator's action says it
+        wait_until(lambda: "waiting" in delivered, "the due retry, from the front")
+    assert statuses(pg_engine) == {"waiting": "delivered", "after": "delivered", "marker": "delivered"}
