@@ -294,34 +294,55 @@ def test_a_listening_relay_finds_a_queue_it_never_heard_of_beside_its_claims(
     assert statuses(pg_engine) == {"unheard": "delivered"}
 
 
+class RetryBehind:
+    """A listening relay, and a retry it wrote an hour away: behind its position once due.
+
+    The route's handler asks for a retry of "waiting" in an hour on its first
+    attempt; "after" is delivered next, so the relay's position moves past
+    "waiting". ``pending()`` answers the retry's id while it waits.
+    """
+
+    def __init__(self, engine: Engine, ob: outbox.Outbox, maker: sessionmaker[Session]) -> None:
+        self.engine = engine
+        self.delivered: list[str] = []
+
+        @ob.handler("work", name="work")
+        def work(msg):
+            if msg.payload["n"] == "waiting" and msg.attempt == 1:
+                raise RetryLater("partner down", delay=3600)
+            self.delivered.append(msg.payload["n"])
+
+        self.maker = maker
+        self.serving = Serving(Relay(ob, engine, concurrency=4, batch_size=4, poll_interval=NEVER))
+
+    def __enter__(self) -> int:
+        self.serving.__enter__()
+        for name in ("waiting", "after"):
+            self.emit(name)
+        wait_until(lambda: self.delivered == ["after"], "the second message")
+        return wait_until(self.pending, "the first attempt's retry to be written")
+
+    def __exit__(self, *exc: object) -> None:
+        self.serving.__exit__(*exc)
+
+    def emit(self, name: str) -> None:
+        with self.maker() as s, s.begin():
+            emit(s, "work", {"n": name})
+
+    def pending(self) -> int | None:
+        with self.engine.connect() as conn:
+            named = m.c.payload["n"].as_string() == "waiting"
+            row = conn.execute(select(m.c.id, m.c.status).where(named)).one()
+        return row.id if row.status == "pending" else None
+
+
 def test_an_operator_action_sends_a_listening_relay_back_to_the_front(
     pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session], no_front_scans: None
 ) -> None:
-    delivered: list[str] = []
-
-    @ob.handler("work", name="work")
-    def work(msg):
-        if msg.payload["n"] == "waiting" and msg.attempt == 1:
-            raise RetryLater("partner down", delay=3600)
-        delivered.append(msg.payload["n"])
-
-    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=NEVER)
-    with Serving(relay):
-        with pg_maker() as s, s.begin():
-            emit(s, "work", {"n": "waiting"})
-        with pg_maker() as s, s.begin():
-            emit(s, "work", {"n": "after"})
-        wait_until(lambda: delivered == ["after"], "the second message")
-
-        def waiting_retry() -> int | None:  # its retry is written: pending, an hour away
-            with pg_engine.connect() as conn:
-                named = m.c.payload["n"].as_string() == "waiting"
-                row = conn.execute(select(m.c.id, m.c.status).where(named)).one()
-            return row.id if row.status == "pending" else None
-
-        waiting = wait_until(waiting_retry, "the first attempt's retry to be written")
+    retry = RetryBehind(pg_engine, ob, pg_maker)
+    with retry as waiting:
         ops.retry_now(pg_engine, ops.MessageFilter(ids=(waiting,)), reason="partner is back", actor="ops")
-        wait_until(lambda: "waiting" in delivered, "the retried-now message, from the front")
+        wait_until(lambda: "waiting" in retry.delivered, "the retried-now message, from the front")
     assert statuses(pg_engine) == {"waiting": "delivered", "after": "delivered"}
 
 
@@ -382,41 +403,19 @@ def test_a_release_at_shutdown_sends_listening_relays_to_the_front(
 def test_a_listening_relay_ignores_what_another_schemas_outbox_announces(
     pg_url: str, pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session], no_front_scans: None
 ) -> None:
-    delivered: list[str] = []
-
-    @ob.handler("work", name="work")
-    def work(msg):
-        if msg.payload["n"] == "waiting" and msg.attempt == 1:
-            raise RetryLater("partner down", delay=3600)
-        delivered.append(msg.payload["n"])
-
-    named = m.c.payload["n"].as_string() == "waiting"
-    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=NEVER)
-    with Serving(relay):
-        with pg_maker() as s, s.begin():
-            emit(s, "work", {"n": "waiting"})
-        with pg_maker() as s, s.begin():
-            emit(s, "work", {"n": "after"})
-        wait_until(lambda: delivered == ["after"], "the second message")
-
-        def waiting_retry() -> int | None:  # its retry is written: pending, an hour away
-            with pg_engine.connect() as conn:
-                row = conn.execute(select(m.c.id, m.c.status).where(named)).one()
-            return row.id if row.status == "pending" else None
-
-        waiting = wait_until(waiting_retry, "the first attempt's retry to be written")
+    retry = RetryBehind(pg_engine, ob, pg_maker)
+    with retry as waiting:
         with pg_engine.begin() as conn:  # due now, behind the relay's position, and nothing said
             conn.execute(m.update().where(m.c.id == waiting).values(available_at=m.c.created_at))
         with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as other:
             for payload in ("tenant_b", f"tenant_b 0 {waiting} default", "tenant_b released"):
                 other.execute("SELECT pg_notify('outbox', %s)", (payload,))
-        with pg_maker() as s, s.begin():  # heard after those: delivered once they were dealt with
-            emit(s, "work", {"n": "marker"})
-        wait_until(lambda: "marker" in delivered, "a commit of this schema")
+        retry.emit("marker")  # heard after those: delivered once they were dealt with
+        wait_until(lambda: "marker" in retry.delivered, "a commit of this schema")
         # Taken as this schema's, any of the three would have sent the claim that found "marker"
         # from the front or from "waiting", and claimed "waiting" with it.
-        assert waiting_retry() == waiting
+        assert retry.pending() == waiting
         with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as ours:
             ours.execute("SELECT pg_notify('outbox', 'public')")  # as an operator's action says it
-        wait_until(lambda: "waiting" in delivered, "the due retry, from the front")
+        wait_until(lambda: "waiting" in retry.delivered, "the due retry, from the front")
     assert statuses(pg_engine) == {"waiting": "delivered", "after": "delivered", "marker": "delivered"}
