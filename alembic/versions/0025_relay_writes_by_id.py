@@ -2,7 +2,7 @@
 
 Revision ID: outbox_0025
 Revises: outbox_0024
-Create Date: 2026-12-20
+Create Date: 2026-12-07
 
 ``outbox_complete``, ``outbox_extend`` and ``outbox_release`` are given the ids
 of the rows they change, and check that each is still ``running`` under this
@@ -17,17 +17,18 @@ batch after another, which is what the relay waited for (a bitmap scan of
 339,569 entries and 15,145 heap pages to update nothing).
 
 ``IS NOT DISTINCT FROM`` is the same test on a ``NOT NULL`` column, and no
-index answers it: the ids are the only way in, whatever the statistics say.
-The three also run without sequential scans, hash joins or merge joins,
-so each id is a lookup in the primary key whatever the plan PL/pgSQL keeps
-for the session: a relay's first outcomes meet a small table, and a pressure
-run's kept plan then hashed a full scan of the key, every version the table
-keeps, for each batch (300 ms a batch three minutes into a hold, with
-``enable_seqscan`` off alone). Setting those alone, without the change above,
-made it worse: the status index was then the cheapest way in. The functions are otherwise
-those of ``outbox_0021`` (complete) and ``outbox_0015`` (extend, release);
-CREATE OR REPLACE keeps their owner and grants. The downgrade restores those
-bodies and settings.
+index answers it. Complete and release also name their batch's ids as one
+array (``m.id = ANY(ARRAY(...))``) in each statement that reads the table: an
+index condition on the primary key, whatever plan PL/pgSQL keeps for the
+session. Without it a relay's first outcomes, which meet a small table, left
+a kept plan that hashed a full scan of the key, every version the table
+keeps, for each batch (300 ms a batch three minutes into a hold). The three
+run with ``enable_seqscan = off``, as the claim does since ``outbox_0023``;
+that setting alone, without the changes above, made it worse: the status
+index was then the cheapest way in. The functions are otherwise those of
+``outbox_0021`` (complete) and ``outbox_0015`` (extend, release); CREATE OR
+REPLACE keeps their owner and grants. The downgrade restores those bodies
+and settings.
 
 SQLite has no functions: nothing changes there.
 """
