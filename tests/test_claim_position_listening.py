@@ -191,6 +191,27 @@ class Serving:
         assert not self.thread.is_alive()
 
 
+def record_work(ob: outbox.Outbox, *, retry: tuple[str, float] | None = None) -> list[str]:
+    """Route ``work``, which records each delivered message's ``n`` in the list it returns.
+
+    ``retry`` (a name, a delay): that message asks for a retry after the delay on its first attempt.
+    """
+    delivered: list[str] = []
+
+    @ob.handler("work", name="work")
+    def work(msg):
+        if retry is not None and msg.payload["n"] == retry[0] and msg.attempt == 1:
+            raise RetryLater("not yet", delay=retry[1])
+        delivered.append(msg.payload["n"])
+
+    return delivered
+
+
+def small_relay(ob: outbox.Outbox, engine: Engine, poll_interval: float) -> Relay:
+    """A relay of a few delivery slots, so each test's handful of rows spans several claims."""
+    return Relay(ob, engine, concurrency=4, batch_size=4, poll_interval=poll_interval)
+
+
 def statuses(engine: Engine) -> dict[str, str]:
     with engine.connect() as conn:
         return {
@@ -201,19 +222,14 @@ def statuses(engine: Engine) -> dict[str, str]:
 def test_a_transaction_that_took_its_id_early_is_claimed_when_its_commit_is_heard(
     pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session], no_front_scans: None
 ) -> None:
-    delivered: list[str] = []
-
-    @ob.handler("work", name="work")
-    def work(msg):
-        delivered.append(msg.payload["n"])
-
+    delivered = record_work(ob)
     Base.metadata.create_all(pg_engine)
     late = pg_maker()
     late.begin()
     emit(late, "work", {"n": "late"})
     late.add(Invoice(number="1"))
     late.flush()  # writes the event too, as any flush of an emitting session does: its id now
-    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=NEVER)
+    relay = small_relay(ob, pg_engine, NEVER)
     try:
         with Serving(relay):
             with pg_maker() as s, s.begin():
@@ -233,15 +249,8 @@ def test_a_transaction_that_took_its_id_early_is_claimed_when_its_commit_is_hear
 def test_a_retry_coming_due_and_a_groups_next_message_are_claimed_by_the_relay_that_wrote_them(
     pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session], no_front_scans: None
 ) -> None:
-    order: list[str] = []
-
-    @ob.handler("work", name="work")
-    def work(msg):
-        if msg.payload["n"] == "retried" and msg.attempt == 1:
-            raise RetryLater("not yet", delay=0.3)
-        order.append(msg.payload["n"])
-
-    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=NEVER)
+    order = record_work(ob, retry=("retried", 0.3))
+    relay = small_relay(ob, pg_engine, NEVER)
     with Serving(relay):
         with pg_maker() as s, s.begin():
             emit(s, "work", {"n": "retried"})
@@ -258,13 +267,8 @@ def test_a_row_the_claims_stepped_over_is_found_by_looking_behind_the_position(
     pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session]
 ) -> None:
     """A delayed message sorts before the position once a later row is claimed; no NOTIFY says it is due."""
-    delivered: list[str] = []
-
-    @ob.handler("work", name="work")
-    def work(msg):
-        delivered.append(msg.payload["n"])
-
-    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=0.2)
+    delivered = record_work(ob)
+    relay = small_relay(ob, pg_engine, 0.2)
     with Serving(relay):
         with pg_maker() as s, s.begin():
             emit(s, "work", {"n": "delayed"}, delay=0.5)
@@ -279,13 +283,8 @@ def test_a_listening_relay_finds_a_queue_it_never_heard_of_beside_its_claims(
     pg_engine: Engine, ob: outbox.Outbox, pg_maker: sessionmaker[Session]
 ) -> None:
     """A queue named at emit time whose NOTIFY never came (triggers off, as a replica applies rows)."""
-    delivered: list[str] = []
-
-    @ob.handler("work", name="work")
-    def work(msg):
-        delivered.append(msg.payload["n"])
-
-    relay = Relay(ob, pg_engine, concurrency=4, batch_size=4, poll_interval=0.2)
+    delivered = record_work(ob)
+    relay = small_relay(ob, pg_engine, 0.2)
     with Serving(relay):
         with pg_maker() as s, s.begin():
             s.execute(text("SET LOCAL session_replication_role = replica"))  # no trigger, no NOTIFY
@@ -304,16 +303,9 @@ class RetryBehind:
 
     def __init__(self, engine: Engine, ob: outbox.Outbox, maker: sessionmaker[Session]) -> None:
         self.engine = engine
-        self.delivered: list[str] = []
-
-        @ob.handler("work", name="work")
-        def work(msg):
-            if msg.payload["n"] == "waiting" and msg.attempt == 1:
-                raise RetryLater("partner down", delay=3600)
-            self.delivered.append(msg.payload["n"])
-
+        self.delivered = record_work(ob, retry=("waiting", 3600))
         self.maker = maker
-        self.serving = Serving(Relay(ob, engine, concurrency=4, batch_size=4, poll_interval=NEVER))
+        self.serving = Serving(small_relay(ob, engine, NEVER))
 
     def __enter__(self) -> int:
         self.serving.__enter__()
