@@ -181,31 +181,34 @@ def _purge(url: URL, batch: int) -> dict[str, Any]:
     }
 
 
+def _fill_and_purge(
+    server: URL, name: str, revision: str | None, *, rows: int, kept: int, day: date, batch: int
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """A database at ``revision`` (None: head; ``outbox_0023``: history in one table), filled with a
+    day of history and purged; returns the fill's figures and the purge's, with what it left."""
+    url = _create(server, name)
+    try:
+        outbox.upgrade(url.render_as_string(hide_password=False), *([revision] if revision else []))
+        fill = _fill(url, rows=rows, kept=kept, day=day, partitioned=revision is None)
+        done = _purge(url, batch)
+        # Dead tuples first: counting the rows reads every page, and reading prunes some.
+        done["dead_tuples_left"] = sum(_dead_tuples(url).values())
+        done["rows_left"] = _history_rows(url) - done["beside_writes"]
+        return fill, done
+    finally:
+        _drop(server, name)
+
+
 def measure(server: URL, *, rows: int, delete_rows: int, kept: int, batch: int, name: str) -> dict[str, Any]:
     day = datetime.now(UTC).date() - timedelta(days=DAYS_AGO)
     figures: dict[str, Any] = {"rows": rows, "delete_rows": delete_rows, "kept": kept, "batch": batch}
-    partitioned = _create(server, f"{name}_partitioned")
-    try:
-        outbox.upgrade(partitioned.render_as_string(hide_password=False))
-        figures["partitioned_fill"] = _fill(partitioned, rows=rows, kept=kept, day=day, partitioned=True)
-        figures["partitioned"] = _purge(partitioned, batch)
-        done = figures["partitioned"]
-        # Dead tuples first: counting the rows reads every page, and reading prunes some.
-        done["dead_tuples_left"] = sum(_dead_tuples(partitioned).values())
-        done["rows_left"] = _history_rows(partitioned) - done["beside_writes"]
-    finally:
-        _drop(server, f"{name}_partitioned")
+    figures["partitioned_fill"], figures["partitioned"] = _fill_and_purge(
+        server, f"{name}_partitioned", None, rows=rows, kept=kept, day=day, batch=batch
+    )
     if delete_rows:
-        rowwise = _create(server, f"{name}_rowwise")
-        try:
-            outbox.upgrade(rowwise.render_as_string(hide_password=False), "outbox_0023")
-            figures["rowwise_fill"] = _fill(rowwise, rows=delete_rows, kept=kept, day=day, partitioned=False)
-            figures["rowwise"] = _purge(rowwise, batch)
-            done = figures["rowwise"]
-            done["dead_tuples_left"] = sum(_dead_tuples(rowwise).values())
-            done["rows_left"] = _history_rows(rowwise) - done["beside_writes"]
-        finally:
-            _drop(server, f"{name}_rowwise")
+        figures["rowwise_fill"], figures["rowwise"] = _fill_and_purge(
+            server, f"{name}_rowwise", "outbox_0023", rows=delete_rows, kept=kept, day=day, batch=batch
+        )
         per_row = figures["rowwise"]["purge_s"] / max(figures["rowwise"]["deleted"], 1)
         figures["rowwise_us_per_row"] = per_row * 1e6
         figures["rowwise_s_at_rows_extrapolated"] = per_row * rows
