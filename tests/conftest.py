@@ -179,15 +179,26 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'empty.db'}"
         return
-    base = request.getfixturevalue("pg_base_url")
+    yield from _empty_pg_database(request.getfixturevalue("pg_base_url"))
+
+
+@pytest.fixture
+def empty_pg_url(pg_base_url: str) -> Iterator[str]:
+    """An empty PostgreSQL database, for migrations run step by step (or by the code under test)."""
+    yield from _empty_pg_database(pg_base_url)
+
+
+def _empty_pg_database(base: str) -> Iterator[str]:
     name = f"outbox_empty_{uuid.uuid4().hex[:12]}"
     admin = create_engine(base, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 @pytest.fixture

@@ -6,13 +6,7 @@ import os
 import re
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
@@ -50,24 +44,9 @@ def test_demo_on_sqlite(tmp_path):
     assert out.startswith(f"database: sqlite:///{tmp_path / 'tmp'}")
 
 
-@pytest.fixture
-def fresh_pg_database(pg_base_url: str) -> Iterator[str]:
-    """An empty database the demo migrates itself, as a user's would be."""
-    name = f"outbox_demo_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(pg_base_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(pg_base_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-def test_demo_on_postgresql_twice_against_the_same_database(tmp_path, fresh_pg_database):
-    first = run_demo(tmp_path, "--database-url", fresh_pg_database)
-    second = run_demo(tmp_path, "--database-url", fresh_pg_database)
+def test_demo_on_postgresql_twice_against_the_same_database(tmp_path, empty_pg_url):
+    first = run_demo(tmp_path, "--database-url", empty_pg_url)
+    second = run_demo(tmp_path, "--database-url", empty_pg_url)
     nonces = [re.findall(r"signups \(run (\w+)\)", out) for out in (first, second)]
     assert len(nonces[0]) == len(nonces[1]) == 1 and nonces[0] != nonces[1]
     # The second run lists its own messages only, numbered after the first run's.

@@ -99,24 +99,9 @@ def _attempts(engine: Engine, message_ids: list[int], started_at: datetime) -> l
         return list(conn.execute(insert(a).returning(a.c.id), rows).scalars())
 
 
-@pytest.fixture
-def fresh_pg(pg_base_url: str) -> Iterator[str]:
-    """An empty PostgreSQL database, for migrations run step by step."""
-    name = f"outbox_parts_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(pg_base_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(pg_base_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-def test_the_migration_moves_history_into_day_partitions_and_back_keeping_rows_and_ids(fresh_pg):
-    outbox.upgrade(fresh_pg, "outbox_0023")
-    engine = create_engine(fresh_pg)
+def test_the_migration_moves_history_into_day_partitions_and_back_keeping_rows_and_ids(empty_pg_url):
+    outbox.upgrade(empty_pg_url, "outbox_0023")
+    engine = create_engine(empty_pg_url)
     try:
         ids = _messages(engine, ["delivered", "pending"])
         now = datetime.now(UTC)
@@ -126,7 +111,7 @@ def test_the_migration_moves_history_into_day_partitions_and_back_keeping_rows_a
         before = _history(engine)
         last_id = max(r[0] for r in before)
 
-        outbox.upgrade(fresh_pg)
+        outbox.upgrade(empty_pg_url)
 
         assert _history(engine) == before, "every row, id and value kept"
         where = _where(engine)
@@ -140,7 +125,7 @@ def test_the_migration_moves_history_into_day_partitions_and_back_keeping_rows_a
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM outbox_attempt_default")).scalar_one() == 0
 
-        outbox.downgrade(fresh_pg, "outbox_0023")
+        outbox.downgrade(empty_pg_url, "outbox_0023")
 
         assert _history(engine)[:-1] == before and _history(engine)[-1][0] == new_id
         with engine.connect() as conn:
@@ -230,10 +215,10 @@ def _dead_tuples(engine: Engine) -> dict[str, int]:
 
 
 @pytest.fixture
-def old_history(fresh_pg: str) -> Iterator[tuple[Engine, dict[str, list[int]]]]:
+def old_history(empty_pg_url: str) -> Iterator[tuple[Engine, dict[str, list[int]]]]:
     """History of ten and three days ago, made before the migration so its day partitions exist."""
-    outbox.upgrade(fresh_pg, "outbox_0023")
-    engine = create_engine(fresh_pg)
+    outbox.upgrade(empty_pg_url, "outbox_0023")
+    engine = create_engine(empty_pg_url)
     done = _messages(engine, ["delivered"] * 20)
     (waiting,) = _messages(engine, ["pending"])
     now = datetime.now(UTC)
@@ -243,7 +228,7 @@ def old_history(fresh_pg: str) -> Iterator[tuple[Engine, dict[str, list[int]]]]:
         "three_days": _attempts(engine, done, now - timedelta(days=3)),
         "today": _attempts(engine, done, now),
     }
-    outbox.upgrade(fresh_pg)
+    outbox.upgrade(empty_pg_url)
     try:
         yield engine, rows
     finally:
