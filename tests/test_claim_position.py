@@ -131,7 +131,11 @@ def test_rows_sorting_before_the_claim_position_are_delivered_within_a_second_of
     for name, before in became_claimable.items():
         waited = delivered.index(name) - before
         assert waited <= WITHIN, f"{name!r} waited {waited} deliveries behind the claim position"
-    assert delivered.index("urgent") < BACKLOG // 2  # and long before the backlog ended
+    # And it did not wait for the backlog to end. (How soon is the bound above: a front scan is
+    # spaced by its own cost, so on a loaded host it comes later than FRONT_SCAN_EVERY, and a
+    # fixed share of the backlog would be a second, tighter and flaky, bound.)
+    after_urgent = len(delivered) - 1 - delivered.index("urgent")
+    assert after_urgent >= BACKLOG // 10, f"only {after_urgent} deliveries came after 'urgent'"
     with engine.connect() as conn:
         assert set(conn.execute(select(m.c.status)).scalars()) == {"delivered"}
         if late is not None:
