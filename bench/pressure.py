@@ -46,8 +46,8 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,11 @@ PRESSURE_MODES = ("pressure-xid", "pressure-rr")
 PHASES = ("clean", "pressure")
 #: Concurrent REPEATABLE READ readers in ``pressure-rr``.
 READERS = 4
+#: What each reader scans per transaction in ``pressure-rr``: both outbox tables, whole.
+READER_SCANS = (
+    "SELECT count(*), max(length(payload::text)) FROM outbox_message",
+    "SELECT count(*), max(finished_at) FROM outbox_attempt",
+)
 #: Messages a second while the wake-up latency is measured (mode 4's rate).
 WAKE_RATE = 20.0
 #: The targets (issue 34 item 1).
@@ -141,7 +146,7 @@ def sizes_from(args: argparse.Namespace) -> PressureSizes:
 
 
 @contextmanager
-def _held_xid(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
+def held_xid(url: URL, scans: Sequence[str] = ()) -> Iterator[Callable[[], dict[str, Any]]]:
     """A session idle in a transaction that holds an xid, for the block; yields its final check."""
     conn = psycopg.connect(conninfo(url))
     try:
@@ -163,10 +168,10 @@ def _held_xid(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
 
 
 @contextmanager
-def _readers(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
-    """:data:`READERS` sessions scanning both tables in REPEATABLE READ, back to back, for the block."""
+def readers(url: URL, scans: Sequence[str] = READER_SCANS) -> Iterator[Callable[[], dict[str, Any]]]:
+    """:data:`READERS` sessions running ``scans`` in REPEATABLE READ, back to back, for the block."""
     stop = threading.Event()
-    scans = [0] * READERS
+    rounds = [0] * READERS
     errors: list[BaseException] = []
 
     def read(slot: int) -> None:
@@ -175,9 +180,9 @@ def _readers(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
                 conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
                 while not stop.is_set():
                     with conn.transaction():
-                        conn.execute("SELECT count(*), max(length(payload::text)) FROM outbox_message")
-                        conn.execute("SELECT count(*), max(finished_at) FROM outbox_attempt")
-                    scans[slot] += 1
+                        for scan in scans:
+                            conn.execute(scan)
+                    rounds[slot] += 1
         except BaseException as exc:
             errors.append(exc)
 
@@ -188,9 +193,9 @@ def _readers(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
     def check() -> dict[str, Any]:
         if errors:
             raise Unverified(f"a reader failed: {errors[0]!r}")
-        if min(scans) == 0:
-            raise Unverified(f"a reader never finished a scan: {scans}")
-        return {"reader_scans": sum(scans)}
+        if min(rounds) == 0:
+            raise Unverified(f"a reader never finished a scan: {rounds}")
+        return {"reader_scans": sum(rounds)}
 
     try:
         yield check
@@ -200,24 +205,25 @@ def _readers(url: URL) -> Iterator[Callable[[], dict[str, Any]]]:
             t.join(120)
 
 
-PRESSURES = {"pressure-xid": _held_xid, "pressure-rr": _readers}
+#: Each pressure by mode: called with the database and what a reader scans there.
+PRESSURES: dict[str, Callable[[URL, Sequence[str]], AbstractContextManager[Callable[[], dict[str, Any]]]]] = {
+    "pressure-xid": held_xid,
+    "pressure-rr": readers,
+}
 
 
 # -- the load ----------------------------------------------------------------------------------
 
 
-class _Producer:
-    """Commits one ``latency`` message at a time on a fixed schedule; remembers each commit's time."""
+class Producer:
+    """Commits one message at a time on a fixed schedule; remembers each commit's time.
 
-    def __init__(self, url: URL) -> None:
-        spec = ob.get_route("latency")
-        self._params: dict[str, Any] = {
-            "event_type": EVENTS["latency"],
-            "queue": spec.queue,
-            "priority": spec.priority,
-            "max_attempts": spec.max_attempts,
-        }
-        self.queue = spec.queue
+    ``insert`` writes one message numbered ``%(n)s``, with ``params`` for the rest.
+    """
+
+    def __init__(self, url: URL, insert: str, params: dict[str, Any]) -> None:
+        self._insert = insert
+        self._params = params
         self._conn = psycopg.connect(conninfo(url), autocommit=True)
         # Visible to every session at once, as any commit; only the wait for the disk is left out,
         # which would hold one connection to a few hundred commits a second.
@@ -234,7 +240,7 @@ class _Producer:
             pause = began + i / rate - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
-            self._conn.execute(_INSERT, {**self._params, "n": first + i}, prepare=True)
+            self._conn.execute(self._insert, {**self._params, "n": first + i}, prepare=True)
             self.committed[first + i] = time.time()
         return range(first, first + count), window_start, time.time()
 
@@ -258,18 +264,23 @@ def _server_facts(url: URL, queue: str) -> dict[str, Any]:
     }
 
 
-def _phase(
-    url: URL,
-    producer: _Producer,
-    procs: list[Any],
+def run_phase(
+    producer: Producer,
     sizes: PressureSizes,
     seconds: float,
+    *,
+    drained: Callable[[int, float], None],
+    facts: Callable[[], dict[str, Any]],
 ) -> dict[str, Any]:
+    """The load for ``seconds``, the wake-up samples, then the server's facts: one phase, unreduced.
+
+    ``drained(count, timeout)`` returns once ``count`` messages are delivered.
+    """
     load, start, end = producer.offer(sizes.rate, seconds)
-    wait_drained(url, len(producer.committed), procs, 120.0 + len(producer.committed) / 100)
+    drained(len(producer.committed), 120.0 + len(producer.committed) / 100)
     wake, _, _ = producer.offer(WAKE_RATE, sizes.wake_seconds)
-    wait_drained(url, len(producer.committed), procs, 60.0)
-    return {"load": load, "window": (start, end), "wake": wake, **_server_facts(url, producer.queue)}
+    drained(len(producer.committed), 60.0)
+    return {"load": load, "window": (start, end), "wake": wake, **facts()}
 
 
 def pressure(scratch: Scratch, *, kind: str, sizes: PressureSizes, settings: RelaySettings) -> dict[str, Any]:
@@ -281,15 +292,32 @@ def pressure(scratch: Scratch, *, kind: str, sizes: PressureSizes, settings: Rel
     workdir = scratch.subdir(purpose)
     samples = workdir / "handler-starts.txt"
     env = {"BENCH_TRACE_DIR": str(workdir), "BENCH_LATENCY_FILE": str(samples)}
-    producer = _Producer(url)
+    spec = ob.get_route("latency")
+    params = {
+        "event_type": EVENTS["latency"],
+        "queue": spec.queue,
+        "priority": spec.priority,
+        "max_attempts": spec.max_attempts,
+    }
+    producer = Producer(url, _INSERT, params)
     phases: dict[str, dict[str, Any]] = {}
     held: dict[str, Any] = {}
     try:
         with relays(url, 1, settings.args(poll_interval=30.0), workdir=workdir, env=env) as procs:
             wait_listening(url, procs)
-            phases["clean"] = _phase(url, producer, procs, sizes, sizes.clean_seconds)
-            with PRESSURES[kind](url) as still_held:
-                phases["pressure"] = _phase(url, producer, procs, sizes, sizes.pressure_seconds)
+
+            def phase(seconds: float) -> dict[str, Any]:
+                return run_phase(
+                    producer,
+                    sizes,
+                    seconds,
+                    drained=lambda count, timeout: wait_drained(url, count, procs, timeout),
+                    facts=lambda: _server_facts(url, spec.queue),
+                )
+
+            phases["clean"] = phase(sizes.clean_seconds)
+            with PRESSURES[kind](url, READER_SCANS) as still_held:
+                phases["pressure"] = phase(sizes.pressure_seconds)
                 held = still_held()
             procs[0].stop()
     finally:
@@ -298,11 +326,15 @@ def pressure(scratch: Scratch, *, kind: str, sizes: PressureSizes, settings: Rel
     expected = Expected(len(committed), relays=[procs[0].name])
     check_delivered(url, expected)
     read_traces(workdir, "latency", expected)
-    started = read_handler_starts(samples, committed)
-    result: dict[str, Any] = {"kind": kind, "messages": len(committed), **held}
-    for name, phase in phases.items():
-        result[name] = _figures(phase, committed, started)
-    return result
+    return {"kind": kind, **held, **reduce_phases(phases, committed, read_handler_starts(samples, committed))}
+
+
+def reduce_phases(
+    phases: dict[str, dict[str, Any]], committed: dict[int, float], started: dict[int, float]
+) -> dict[str, Any]:
+    """Each phase's figures from the commit and handler-start times, and the message count."""
+    figures = {name: _figures(phase, committed, started) for name, phase in phases.items()}
+    return {"messages": len(committed), **figures}
 
 
 def _figures(phase: dict[str, Any], committed: dict[int, float], started: dict[int, float]) -> dict[str, Any]:
@@ -395,106 +427,3 @@ _STALL = 0.1
 _STALLS_LISTED = 30
 #: Wake-ups :func:`_slowest` lists.
 _WAKES_LISTED = 5
-
-
-# -- the report --------------------------------------------------------------------------------
-
-Mode = Callable[[str, Callable[[], dict[str, Any]]], dict[str, Any] | None]
-
-
-def run_pressure(
-    mode: Mode,
-    out: dict[str, Any],
-    scratch: Scratch,
-    *,
-    sizes: PressureSizes,
-    settings: RelaySettings,
-    want: Callable[[str], bool],
-) -> None:
-    """The pressure modes asked for, as modes of one bench run; flat keys ``pressure_<kind>_<phase>_*``."""
-    for kind in PRESSURE_MODES:
-        if not want(kind):
-            continue
-        prefix = kind.replace("-", "_")
-        out[f"{prefix}_rate"] = sizes.rate
-        out[f"{prefix}_seconds"] = {"clean": sizes.clean_seconds, "pressure": sizes.pressure_seconds}
-        result = mode(
-            f"{kind} ({sizes.rate:g} msg/s, {sizes.clean_seconds:g} s clean, "
-            f"{sizes.pressure_seconds:g} s under pressure)",
-            lambda kind=kind: pressure(scratch, kind=kind, sizes=sizes, settings=settings),  # type: ignore[misc]
-        )
-        if result:
-            out.update(flatten(prefix, result))
-
-
-def flatten(prefix: str, result: dict[str, Any]) -> dict[str, Any]:
-    flat: dict[str, Any] = {f"{prefix}_messages": result["messages"]}
-    for phase in PHASES:
-        for key, value in result[phase].items():
-            flat[f"{prefix}_{phase}_{key}"] = value
-    clean, hold = result["clean"], result["pressure"]
-    flat[f"{prefix}_completion_vs_clean"] = round(hold["completion"] / clean["completion"], 3)
-    flat[f"{prefix}_claim_p99_vs_clean"] = round(hold["claim_ms_p99"] / clean["claim_ms_p99"], 2)
-    return flat
-
-
-def _fmt(value: Any, spec: str) -> str:
-    return "n/a" if value is None else f"{value:{spec}}"
-
-
-def pressure_rows(out: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """Per mode that ran: each phase's figures, then the three targets with their verdicts."""
-    from .verdicts import verdict
-
-    rows: list[tuple[str, str, str, str]] = []
-    for kind in PRESSURE_MODES:
-        prefix = kind.replace("-", "_")
-        if f"{prefix}_rate" not in out:
-            continue
-        for phase in PHASES:
-            k = f"{prefix}_{phase}_"
-            rows.append(
-                (
-                    f"34 {kind}, {phase}",
-                    f"{_fmt(out.get(k + 'completed_per_s'), ',.0f')} of "
-                    f"{_fmt(out.get(k + 'offered_per_s'), ',.0f')} msg/s; claim p50/p99 "
-                    f"{_fmt(out.get(k + 'claim_ms_p50'), '.1f')}/"
-                    f"{_fmt(out.get(k + 'claim_ms_p99'), '.1f')} ms; "
-                    f"wake p99 {_fmt(out.get(k + 'wake_ms_p99'), '.1f')} ms; dead tuples "
-                    f"{_fmt(out.get(k + 'dead_message'), ',d')} msg / "
-                    f"{_fmt(out.get(k + 'dead_attempt'), ',d')} "
-                    f"history; front scan {_fmt(out.get(k + 'front_scan_buffers'), ',d')} buffers; "
-                    f"backlog max {_fmt(out.get(k + 'backlog_max'), ',d')}, slowest 10 s "
-                    f"{_fmt(out.get(k + 'slowest_10s_per_s'), ',.0f')} msg/s",
-                    "",
-                    "-",
-                )
-            )
-        completion = out.get(f"{prefix}_completion_vs_clean")
-        ratio = out.get(f"{prefix}_claim_p99_vs_clean")
-        wake = out.get(f"{prefix}_pressure_wake_ms_p99")
-        rows.append(
-            (
-                f"34 {kind}, completion / clean",
-                _fmt(None if completion is None else 100 * completion, ".1f") + " %",
-                f">= {100 * COMPLETION_MIN:.0f} %",
-                verdict(None if completion is None else completion >= COMPLETION_MIN),
-            )
-        )
-        rows.append(
-            (
-                f"34 {kind}, claim p99 / clean",
-                _fmt(ratio, ".2f"),
-                f"<= {CLAIM_P99_MAX_RATIO:g}",
-                verdict(None if ratio is None else ratio <= CLAIM_P99_MAX_RATIO),
-            )
-        )
-        rows.append(
-            (
-                f"34 {kind}, wake p99 under pressure",
-                f"{_fmt(wake, '.2f')} ms",
-                f"<= {WAKE_P99_MAX_MS:g} ms",
-                verdict(None if wake is None else wake <= WAKE_P99_MAX_MS),
-            )
-        )
-    return rows

@@ -40,7 +40,7 @@ from .gate import gated, run_gated, wait_for_go
 from .harness import Scratch, conninfo
 from .verify import Unverified
 
-__all__ = ["BATCH", "VARIANTS", "check_rawqueue", "rawqueue"]
+__all__ = ["BATCH", "VARIANTS", "check_rawqueue", "rawqueue", "reported"]
 
 BATCH = 100
 
@@ -85,12 +85,12 @@ def rawqueue(scratch: Scratch, *, workers: int, count: int, variant: str = "lock
     command = [sys.executable, "-m", "bench.rawqueue", conninfo(url), variant]
     with gated([command] * workers, workdir=workdir, envs=[{}] * workers) as procs:
         seconds = run_gated(procs, timeout=60.0 + count / 200)
-        claimed = [_reported(p.log_path) for p in procs]
+        claimed = [reported(p.log_path) for p in procs]
     check_rawqueue(url, count, claimed)
     return {"per_s": count / seconds, "seconds": seconds, "by_worker": claimed, "database": url.database}
 
 
-def _reported(log: Path) -> int:
+def reported(log: Path) -> int:
     lines = log.read_text().split()
     if len(lines) < 2 or lines[-2] != "delivered":
         raise Unverified(f"the worker's log does not end with its count: {log.read_text()[-300:]!r}")

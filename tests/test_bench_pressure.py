@@ -2,7 +2,8 @@
 
 One relay serves a steady load through a clean phase, then through a phase in
 which a transaction holds an xid (``pressure-xid``) or REPEATABLE READ readers
-scan the outbox tables (``pressure-rr``). The assertions are on the report's
+scan the outbox tables (``pressure-rr``); and the raw SKIP LOCKED queue through
+the same phases, as the outside reference (``pressure-*-raw``). The assertions are on the report's
 shape and on the checks behind it (every message delivered exactly once, the
 pressure still held at the end of its phase), never on timings.
 """
@@ -18,7 +19,10 @@ import pytest
 from bench.__main__ import _parser
 from bench.drain import RelaySettings
 from bench.harness import Scratch, conninfo
-from bench.pressure import PHASES, PRESSURE_MODES, PressureSizes, pressure_rows, run_pressure, sizes_from
+from bench.pressure import PHASES, PRESSURE_MODES, PressureSizes, sizes_from
+from bench.pressure_raw import RAW_MODES
+from bench.pressure_report import ALL_PRESSURE_MODES, pressure_rows, run_pressure
+from bench.rawqueue import check_rawqueue
 from bench.verify import Expected, Unverified, check_delivered
 
 pytestmark = pytest.mark.postgres
@@ -51,10 +55,8 @@ def _run_modes(names: list[str]) -> Callable[[str, Callable[[], dict[str, Any]]]
     return mode
 
 
-@pytest.mark.parametrize("kind", PRESSURE_MODES)
-def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
-    scratch: Scratch, kind: str
-) -> None:
+def _reported_both_phases(scratch: Scratch, kind: str) -> tuple[dict[str, Any], str]:
+    """Runs ``kind`` alone and checks what every pressure mode reports; the flat figures and their prefix."""
     names: list[str] = []
     out: dict[str, Any] = {}
 
@@ -76,15 +78,23 @@ def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
     # Every claim leaves a dead version of its row; nothing removes it while the horizon is held.
     assert out[f"{prefix}_pressure_dead_message"] > 0
     assert out[f"{prefix}_completion_vs_clean"] > 0 and out[f"{prefix}_claim_p99_vs_clean"] > 0
-    rows = pressure_rows(out)
-    assert [r[0] for r in rows] == [
+    assert [r[0] for r in pressure_rows(out)] == [
         f"34 {kind}, clean",
         f"34 {kind}, pressure",
         f"34 {kind}, completion / clean",
         f"34 {kind}, claim p99 / clean",
         f"34 {kind}, wake p99 under pressure",
     ]
-    assert all(r[3] in ("PASS", "FAIL") for r in rows[2:])
+    return out, prefix
+
+
+@pytest.mark.parametrize("kind", PRESSURE_MODES)
+def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
+    scratch: Scratch, kind: str
+) -> None:
+    out, prefix = _reported_both_phases(scratch, kind)
+    messages = out[f"{prefix}_messages"]
+    assert all(r[3] in ("PASS", "FAIL") for r in pressure_rows(out)[2:])
     # The figures came from a run the bench's own check accepted, and that check refuses a duplicate.
     url = scratch.server.set(database=f"{scratch.tag}_{prefix}")
     facts = check_delivered(url, Expected(messages, relays=["relay1"]))
@@ -100,11 +110,30 @@ def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
         check_delivered(url, Expected(messages, relays=["relay1"]))
 
 
+@pytest.mark.parametrize("kind", RAW_MODES)
+def test_the_raw_queue_reference_serves_the_same_phases_exactly_once_and_judges_nothing(
+    scratch: Scratch, kind: str
+) -> None:
+    out, prefix = _reported_both_phases(scratch, kind)
+    messages = out[f"{prefix}_messages"]
+    assert out[f"{prefix}_pressure_dead_attempt"] == 0  # no history table
+    assert all(r[3] == "ref" for r in pressure_rows(out)[2:])
+    # The worker's count and the table agree; a row done twice is refused.
+    url = scratch.server.set(database=f"{scratch.tag}_{prefix}")
+    check_rawqueue(url, messages, [messages])
+    with pytest.raises(Unverified, match="the workers report"):
+        check_rawqueue(url, messages, [messages - 1])
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute("UPDATE raw_queue SET deliveries = 2 WHERE id = (SELECT min(id) FROM raw_queue)")
+    with pytest.raises(Unverified, match="exactly once"):
+        check_rawqueue(url, messages, [messages])
+
+
 def test_a_pressure_mode_runs_only_when_asked_for() -> None:
     from bench.__main__ import DEFAULT_MODES, MODES
 
-    assert set(PRESSURE_MODES) <= set(MODES)
-    assert not set(PRESSURE_MODES) & set(DEFAULT_MODES)
+    assert set(ALL_PRESSURE_MODES) <= set(MODES)
+    assert not set(ALL_PRESSURE_MODES) & set(DEFAULT_MODES)
     assert pressure_rows({}) == []
 
 
