@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy.engine import URL
 
 from bench.__main__ import _parser
 from bench.drain import RelaySettings
@@ -55,8 +56,9 @@ def _run_modes(names: list[str]) -> Callable[[str, Callable[[], dict[str, Any]]]
     return mode
 
 
-def _reported_both_phases(scratch: Scratch, kind: str) -> tuple[dict[str, Any], str]:
-    """Runs ``kind`` alone and checks what every pressure mode reports; the flat figures and their prefix."""
+def _reported_both_phases(scratch: Scratch, kind: str) -> tuple[dict[str, Any], str, int, URL]:
+    """Runs ``kind`` alone and checks what every pressure mode reports; the flat figures, their prefix,
+    the message count and the run's database."""
     names: list[str] = []
     out: dict[str, Any] = {}
 
@@ -85,18 +87,16 @@ def _reported_both_phases(scratch: Scratch, kind: str) -> tuple[dict[str, Any], 
         f"34 {kind}, claim p99 / clean",
         f"34 {kind}, wake p99 under pressure",
     ]
-    return out, prefix
+    return out, prefix, messages, scratch.server.set(database=f"{scratch.tag}_{prefix}")
 
 
 @pytest.mark.parametrize("kind", PRESSURE_MODES)
 def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
     scratch: Scratch, kind: str
 ) -> None:
-    out, prefix = _reported_both_phases(scratch, kind)
-    messages = out[f"{prefix}_messages"]
+    out, prefix, messages, url = _reported_both_phases(scratch, kind)
     assert all(r[3] in ("PASS", "FAIL") for r in pressure_rows(out)[2:])
     # The figures came from a run the bench's own check accepted, and that check refuses a duplicate.
-    url = scratch.server.set(database=f"{scratch.tag}_{prefix}")
     facts = check_delivered(url, Expected(messages, relays=["relay1"]))
     assert facts["history_rows"] == messages
     with psycopg.connect(conninfo(url), autocommit=True) as conn:
@@ -114,12 +114,10 @@ def test_a_pressure_mode_reports_both_phases_of_a_load_delivered_exactly_once(
 def test_the_raw_queue_reference_serves_the_same_phases_exactly_once_and_judges_nothing(
     scratch: Scratch, kind: str
 ) -> None:
-    out, prefix = _reported_both_phases(scratch, kind)
-    messages = out[f"{prefix}_messages"]
+    out, prefix, messages, url = _reported_both_phases(scratch, kind)
     assert out[f"{prefix}_pressure_dead_attempt"] == 0  # no history table
     assert all(r[3] == "ref" for r in pressure_rows(out)[2:])
     # The worker's count and the table agree; a row done twice is refused.
-    url = scratch.server.set(database=f"{scratch.tag}_{prefix}")
     check_rawqueue(url, messages, [messages])
     with pytest.raises(Unverified, match="the workers report"):
         check_rawqueue(url, messages, [messages - 1])
