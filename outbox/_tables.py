@@ -106,6 +106,10 @@ _PENDING = text("status = 'pending'")
 # only when a term of the query's WHERE appears among the predicate's terms (PostgreSQL proves
 # the implication either way, "status IN (...)" included).
 _NOT_DELIVERED = text(" OR ".join(f"status = '{s}'" for s in MESSAGE_STATUSES if s != "delivered"))
+_WAITING_OR_DEAD = text(
+    " OR ".join(f"status = '{s}'" for s in MESSAGE_STATUSES if s not in ("delivered", "running"))
+)
+_RUNNING = text("status = 'running'")
 _AGGREGATED = text("aggregate_type IS NOT NULL")
 _PARKED = text("parked_on IS NOT NULL")
 
@@ -170,15 +174,27 @@ outbox_message = Table(
         postgresql_where=text("requeued_from IS NOT NULL"),
         sqlite_where=text("requeued_from IS NOT NULL"),
     ),
-    # Counts and listings by status, for every status but "delivered" (most of the table), and
-    # lease recovery (running rows). Partial, because each status change writes a new entry into
-    # every index the row is in: a delivery would add one more, to an index nothing reads it by.
+    # Counts and listings by status, for every status but "delivered" (most of the table), and on
+    # PostgreSQL but "running" (the lease index below). Partial, because each status change writes a
+    # new entry into every index the row is in: a delivery would add one more, to an index nothing
+    # reads it by. SQLite keeps running rows here as well: its planner reads a count of several
+    # statuses through one partial index only, and it has no dead versions to step over.
     Index(
         "ix_outbox_message_status_handler",
         "status",
         "handler",
-        postgresql_where=_NOT_DELIVERED,
+        postgresql_where=_WAITING_OR_DEAD,
         sqlite_where=_NOT_DELIVERED,
+    ),
+    # Running messages by when their lease runs out. Lease recovery reads the leases that ran out
+    # since its last look (relay/recovery.py), where under a held transaction the status index made
+    # it walk every row ever claimed; counts of running rows read it too. On PostgreSQL a claim adds
+    # its entry here instead of to the status index: one entry, as before.
+    Index(
+        "ix_outbox_message_lease",
+        "locked_until",
+        postgresql_where=_RUNNING,
+        sqlite_where=_RUNNING,
     ),
     Index("ix_outbox_message_event_id", "event_id"),
     # Partial for the same reason: messages emitted without an aggregate never need an entry.

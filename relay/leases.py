@@ -26,8 +26,8 @@ from outbox import signals
 
 from .announce import send
 from .dispatch import to_message
+from .recovery import Recovered, RecoveryWindow, recover_expired
 from .run_context import RunContext, first_line, log
-from .store import Recovered
 
 __all__ = ["LeaseKeeper", "recover_period"]
 
@@ -64,6 +64,7 @@ class LeaseKeeper:
         self._held_ids = held_ids
         #: recovered messages are pending again wherever they sort: the claimer claims from the front
         self._on_recovered = on_recovered
+        self._window = RecoveryWindow()
         self._next_unknown_report = 0.0
         self._next_partitions = 0.0
 
@@ -104,7 +105,11 @@ class LeaseKeeper:
 
     async def recover_once(self) -> int:
         rt = self._rt
-        recovered = await rt.db(rt.store.recover_expired, rt.backoffs, rt.rng)
+        since = self._window.since()
+        timer = time.perf_counter()
+        look = await rt.db(lambda: recover_expired(rt.store, rt.backoffs, rt.rng, since=since))
+        self._window.looked(since, look, time.perf_counter() - timer)
+        recovered = look.recovered
         for item in recovered:
             row = item.row
             log.warning(

@@ -20,65 +20,29 @@ makes its message dead instead of failing the whole claim or recovery.
 
 from __future__ import annotations
 
-import json
-import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Row, and_, bindparam, exists, func, or_, select, text, tuple_, update
+from sqlalchemy import ColumnElement, Row, and_, exists, func, or_, select, text, tuple_, update
 from sqlalchemy.engine import Engine
 
-from outbox import Backoff, outbox_attempt, outbox_message, outbox_pause
+from outbox import outbox_attempt, outbox_message, outbox_pause
 
 from . import outcomes
 from . import sql_postgresql as pg
 from .claim_position import FRONT, Position
-from .clock import StatementClock, utcnow
+from .claimed import CLAIMED
+from .clock import StatementClock
 from .db import LoopConnection
-from .documents import as_decoded, undecodable
 from .outcomes import Completion
 
-__all__ = ["Completion", "GroupPolicy", "Recovered", "Store"]
+__all__ = ["Completion", "GroupPolicy", "Store"]
 
 GroupPolicy = Literal["block", "skip"]
 
 m = outbox_message
 a = outbox_attempt
-
-#: Columns a claim returns: everything a handler's Message needs. The documents are decoded by
-#: the relay itself, so one that cannot be is a dead message, not a failed claim (documents.py).
-_CLAIMED = (
-    m.c.id,
-    m.c.event_id,
-    m.c.event_type,
-    m.c.handler,
-    m.c.queue,
-    m.c.priority,
-    as_decoded(m.c.payload),
-    as_decoded(m.c.headers),
-    m.c.idempotency_key,
-    m.c.group_key,
-    m.c.attempts,
-    m.c.max_attempts,
-    m.c.aggregate_type,
-    m.c.aggregate_id,
-    m.c.created_at,
-    m.c.expires_at,
-)
-
-
-@dataclass(slots=True)
-class Recovered:
-    """A message taken back from a relay whose lease expired."""
-
-    row: Any  # the claimed columns, plus locked_by, locked_until and updated_at
-    dead: bool
-    retry_in: float
-    reason: str
-    #: why its payload or headers cannot be decoded, which made it dead whatever its attempts
-    undecodable: str | None = None
 
 
 def _in_claim_order(rows: list[Any]) -> list[Any]:
@@ -98,7 +62,8 @@ class Store:
         self.in_database = self.clock.server_clock
         # psycopg: the hot path runs on the event loop's own connections (``LoopConnection``).
         self.fast = self.in_database and engine.dialect.driver == "psycopg"
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        #: the same engine in autocommit: each function call is its own transaction
+        self.autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._calls: pg.Calls | None = None
 
     def calls(self) -> pg.Calls:
@@ -135,7 +100,7 @@ class Store:
         entry per queue instead of the whole pending backlog.
         """
         if self.fast:
-            with self._autocommit.connect() as conn:
+            with self.autocommit.connect() as conn:
                 return [q for (q,) in conn.exec_driver_sql(pg.PENDING_QUEUES)]
         pending = m.c.status == "pending"
         first = select(func.min(m.c.queue).label("queue")).where(pending).cte("queues", recursive=True)
@@ -166,7 +131,7 @@ class Store:
             return []
         if self.in_database:
             params = self._claim_params(queue, handlers, limit, start)
-            with self._autocommit.connect() as conn:
+            with self.autocommit.connect() as conn:
                 fast_rows = list(conn.exec_driver_sql(self.calls().claim, params))
             return _in_claim_order(fast_rows)
         now = self.clock.now()
@@ -195,7 +160,7 @@ class Store:
                 attempts=m.c.attempts + 1,
                 updated_at=now,
             )
-            .returning(*_CLAIMED, now.label("claimed_at"))
+            .returning(*CLAIMED, now.label("claimed_at"))
         )
         with self.engine.begin() as conn:
             rows = list(conn.execute(claim, {"lease": self.clock.bind_later(self.lease)}))
@@ -300,7 +265,7 @@ class Store:
             return set()
         if self.in_database:
             params = {"me": self.relay_id, "ids": ids, "lease": self.lease.total_seconds()}
-            with self._autocommit.connect() as conn:
+            with self.autocommit.connect() as conn:
                 return set(conn.exec_driver_sql(self.calls().extend, params).scalars())
         ours = and_(m.c.id.in_(ids), m.c.locked_by == self.relay_id, m.c.status == "running")
         renew = update(m).values(locked_until=self.clock.later("lease")).returning(m.c.id)
@@ -324,7 +289,7 @@ class Store:
             return 0
         if self.in_database:
             params = {"me": self.relay_id, "ids": [i for i, _ in claims], "attempts": [a for _, a in claims]}
-            with self._autocommit.connect() as conn:
+            with self.autocommit.connect() as conn:
                 released = int(conn.exec_driver_sql(self.calls().release, params).scalar_one())
                 if released:
                     # Listening relays may have claimed past these rows: this sends them to the front.
@@ -348,122 +313,6 @@ class Store:
         with self.engine.begin() as conn:
             return conn.execute(stmt).rowcount
 
-    def recover_expired(
-        self, backoffs: dict[str, Backoff], rng: random.Random, limit: int = 500
-    ) -> list[Recovered]:
-        """Take back messages whose relay stopped renewing its lease (it crashed or hung).
-
-        Each recovery appends a ``lease_expired`` attempt naming the relay that
-        held it; the message is retried with its route's backoff, or goes dead
-        if that was its last attempt, or if its payload or headers cannot be
-        decoded (``documents.py``: no handler could ever be given it, and a
-        relay that crashed on it before it was handled that way left it here).
-        Returns what was recovered, with the message's columns, so the relay
-        can announce each retry or death.
-        """
-        now = self.clock.now()
-        expired = (
-            select(*_CLAIMED, m.c.locked_by, m.c.locked_until, m.c.updated_at)
-            .where(m.c.status == "running", m.c.locked_until < now)
-            .order_by(m.c.locked_until)
-            .limit(limit)
-        )
-        if self.in_database:
-            return self._recover_in_database(expired, backoffs, rng)
-        with self.engine.begin() as conn:
-            rows = list(conn.execute(expired))
-            if not rows:
-                return []
-            finished = utcnow()
-            # Expiry is checked again, row by row: where FOR UPDATE is ignored (SQLite), a lease
-            # renewed between the SELECT and here stays with its relay and leaves no history.
-            base = update(m).where(
-                m.c.id == bindparam("mid"), m.c.status == "running", m.c.locked_until < now
-            )
-            to_retry = base.values(
-                status="pending",
-                locked_by=None,
-                locked_until=None,
-                available_at=self.clock.later("later"),
-                last_error=bindparam("err"),
-                updated_at=now,
-            )
-            to_dead = base.values(
-                status="dead", locked_by=None, locked_until=None, last_error=bindparam("err"), updated_at=now
-            )
-            history = []
-            recovered = []
-            for row in rows:
-                reason = f"lease held by relay {row.locked_by} expired at {row.locked_until.isoformat()}"
-                unusable = undecodable(row)
-                if unusable is not None:
-                    reason = f"{reason}; {unusable}"
-                last = row.attempts >= row.max_attempts or unusable is not None
-                backoff = backoffs.get(row.handler)
-                delay = backoff.delay(max(row.attempts, 1), rng) if backoff and not last else 0.0
-                params: dict[str, Any] = {"mid": row.id, "err": reason}
-                if last:
-                    taken = conn.execute(to_dead, params).rowcount
-                else:
-                    params["later"] = self.clock.bind_later(timedelta(seconds=delay))
-                    taken = conn.execute(to_retry, params).rowcount
-                if not taken:
-                    continue
-                recovered.append(
-                    Recovered(row, dead=last, retry_in=delay, reason=reason, undecodable=unusable)
-                )
-                history.append(
-                    {
-                        "message_id": row.id,
-                        "attempt": row.attempts,
-                        "outcome": "lease_expired",
-                        "started_at": row.updated_at,
-                        "finished_at": finished,
-                        "duration_ms": None,
-                        "relay_id": row.locked_by,
-                        "error_type": "LeaseExpired",
-                        "error": reason,
-                        "detail": {"recovered_by": self.relay_id, "dead": last, "retry_in": round(delay, 3)},
-                    }
-                )
-            if history:
-                conn.execute(outcomes.history_insert(self.engine), history)
-        return recovered
-
-    def _recover_in_database(
-        self, expired: Any, backoffs: dict[str, Backoff], rng: random.Random
-    ) -> list[Recovered]:
-        """PostgreSQL: read the expired leases, then let ``outbox_recover`` take back each still expired.
-
-        The read takes no lock (the relay's role may not lock what it may not
-        update); the function locks each row, skipping one another relay is
-        recovering, checks the lease is still expired and the attempt the same,
-        and writes the message and its ``lease_expired`` row itself. A message
-        on its last attempt goes dead there whatever this relay decides.
-        """
-        with self.engine.connect() as conn:
-            rows = {row.id: row for row in conn.execute(expired)}
-        if not rows:
-            return []
-        notes: dict[int, str | None] = {}
-        decisions = []
-        for row in rows.values():
-            notes[row.id] = unusable = undecodable(row)
-            last = row.attempts >= row.max_attempts or unusable is not None
-            backoff = backoffs.get(row.handler)
-            delay = backoff.delay(max(row.attempts, 1), rng) if backoff and not last else 0.0
-            dead = unusable is not None
-            decisions.append(
-                {"id": row.id, "attempt": row.attempts, "dead": dead, "delay": delay, "note": unusable}
-            )
-        params = {"me": self.relay_id, "decisions": json.dumps(decisions)}
-        with self._autocommit.connect() as conn:
-            taken = list(conn.exec_driver_sql(self.calls().recover, params))
-        return [
-            Recovered(rows[t.message_id], t.dead, t.retry_in, t.reason, undecodable=notes[t.message_id])
-            for t in taken
-        ]
-
     # -- outcomes -----------------------------------------------------------------
 
     def complete(self, results: Sequence[Completion]) -> None:
@@ -471,7 +320,7 @@ class Store:
         if not results:
             return
         if self.in_database:
-            with self._autocommit.connect() as conn:
+            with self.autocommit.connect() as conn:
                 conn.exec_driver_sql(self.calls().complete, outcomes.batch_params(self.relay_id, results))
             return
         outcomes.write(self.engine, self.relay_id, self.clock, results)
@@ -491,7 +340,7 @@ class Store:
         """
         if not self.in_database:
             return None
-        with self._autocommit.connect() as conn:
+        with self.autocommit.connect() as conn:
             created = conn.execute(text("SELECT outbox_history_partitions_ahead(:days)"), {"days": days})
             return int(created.scalar_one())
 

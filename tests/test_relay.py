@@ -22,6 +22,7 @@ from bench.harness import function_plans
 from outbox import ConfigurationError, Outbox, PermanentError, RetryLater, emit, signals
 from outbox.relay import Relay
 from outbox.relay.claimer import Claimer
+from outbox.relay.recovery import recover_expired
 from outbox.relay.sql_postgresql import CLAIM
 
 m = outbox.outbox_message
@@ -333,7 +334,7 @@ def test_long_handler_keeps_its_lease(engine, ob, maker):
         (first,) = leases(engine)
         wait_until(lambda: clock(engine) > first, "the first lease to run out")
         # Past one lease length, the handler still running: only renewals keep the claim.
-        assert rival.store.recover_expired({}, random.Random()) == []
+        assert recover_expired(rival.store, {}, random.Random()).recovered == []
         (renewed,) = leases(engine)
         assert renewed > first and thread.is_alive()
     finally:
@@ -837,7 +838,8 @@ async def _complete_twice_on_a_loop_connection(relay: Relay, engine: Engine, bat
 
 
 def _expire(engine: Engine, message_id: int, relay_id: str = "ghost") -> None:
-    """Leave a message the way a relay killed mid-delivery leaves it: running, attempt charged, lease over."""
+    """Leave a message the way a relay killed mid-delivery leaves it: running, attempt charged, and its
+    lease running out now (a lease runs out after it was written, so after the recoverer's last look)."""
     with engine.begin() as conn:
         conn.execute(
             m.update()
@@ -846,7 +848,7 @@ def _expire(engine: Engine, message_id: int, relay_id: str = "ghost") -> None:
                 status="running",
                 attempts=m.c.attempts + 1,
                 locked_by=relay_id,
-                locked_until=datetime.now(UTC) - timedelta(minutes=1),
+                locked_until=datetime.now(UTC),
             )
         )
 

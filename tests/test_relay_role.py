@@ -24,6 +24,7 @@ import outbox
 from outbox import Outbox, emit
 from outbox.relay import Relay
 from outbox.relay.outcomes import Completion
+from outbox.relay.recovery import recover_expired
 
 m, a = outbox.outbox_message, outbox.outbox_attempt
 
@@ -182,7 +183,7 @@ def test_a_late_outcome_is_recorded_once_and_a_resent_batch_appends_nothing(role
     with pg_engine.connect() as conn:
         conn.execute(text("SELECT pg_sleep(0.1)"))
     rescuer = Relay(ob, relay_engine, relay_id="rescuer")
-    (recovered,) = rescuer.store.recover_expired({}, random.Random(1))
+    (recovered,) = recover_expired(rescuer.store, {}, random.Random(1)).recovered
     assert recovered.row.id == first and not recovered.dead
     slow.store.complete([_done(first, 1)])  # late: recorded, but the message stays with its recovery
     slow.store.complete([_done(first, 1)])
