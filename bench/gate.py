@@ -20,7 +20,7 @@ from pathlib import Path
 from .harness import REPO_ROOT
 from .verify import Unverified
 
-__all__ = ["READY_ENV", "GatedProcess", "gated", "run_gated", "wait_for_go"]
+__all__ = ["READY_ENV", "GatedProcess", "gated", "run_gated", "wait_for_go", "wait_ready"]
 
 #: The environment variable naming the file a child creates once it is ready for GO.
 READY_ENV = "BENCH_READY_FILE"
@@ -86,19 +86,24 @@ def gated(
             proc.kill()
 
 
+def wait_ready(procs: Sequence[GatedProcess], *, timeout: float = 60.0) -> None:
+    """Until every child is ready for GO; one that exits first, or a wait past ``timeout``, is unverified."""
+    deadline = time.monotonic() + timeout
+    while not all(p.ready() for p in procs):
+        dead = [p for p in procs if p.proc.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            why = "a worker exited" if dead else f"timed out after {timeout:g}s"
+            raise Unverified(f"{why} before GO\n" + "\n".join(p.tail() for p in procs))
+        time.sleep(0.02)
+
+
 def run_gated(procs: Sequence[GatedProcess], *, timeout: float, ready_timeout: float = 60.0) -> float:
     """Wait until every child is ready, say GO, wait for every exit; seconds from GO to the last exit.
 
     A child that exits before GO or with a non-zero code, or that outlives
     ``timeout``, makes the run unverified.
     """
-    deadline = time.monotonic() + ready_timeout
-    while not all(p.ready() for p in procs):
-        dead = [p for p in procs if p.proc.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            why = "a worker exited" if dead else f"timed out after {ready_timeout:g}s"
-            raise Unverified(f"{why} before GO\n" + "\n".join(p.tail() for p in procs))
-        time.sleep(0.02)
+    wait_ready(procs, timeout=ready_timeout)
     began = time.perf_counter()
     for proc in procs:
         proc.go()

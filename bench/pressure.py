@@ -255,11 +255,18 @@ def _server_facts(url: URL, queue: str) -> dict[str, Any]:
         dead: dict[str, int] = dict(conn.execute(_DEAD).fetchall())
         row = conn.execute(_FRONT_SCAN, {"queue": queue}).fetchone()
     assert row is not None
-    plan = row[0][0]
-    top = plan["Plan"]
     return {
         "dead_message": int(dead.get("outbox_message", 0)),
         "dead_attempt": int(dead.get("outbox_attempt", 0)),
+        **front_scan_facts(row[0]),
+    }
+
+
+def front_scan_facts(explained: Any) -> dict[str, Any]:
+    """Buffers and milliseconds of a claim's front scan, from its EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)."""
+    plan = explained[0]
+    top = plan["Plan"]
+    return {
         "front_scan_buffers": int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0)),
         "front_scan_ms": float(plan["Execution Time"]),
     }

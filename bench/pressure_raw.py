@@ -31,9 +31,9 @@ from typing import Any
 import psycopg
 from sqlalchemy.engine import URL
 
-from .gate import gated, wait_for_go
+from .gate import gated, wait_for_go, wait_ready
 from .harness import Scratch, conninfo
-from .pressure import PRESSURES, PressureSizes, Producer, reduce_phases, run_phase
+from .pressure import PRESSURES, PressureSizes, Producer, front_scan_facts, reduce_phases, run_phase
 from .rawqueue import BATCH, DONE, LEASE, SCHEMA, check_rawqueue, reported
 from .verify import Unverified, read_handler_starts
 
@@ -82,7 +82,7 @@ def raw_pressure(scratch: Scratch, *, kind: str, sizes: PressureSizes) -> dict[s
     command = [sys.executable, "-m", "bench.pressure_raw", conninfo(url), str(samples)]
     try:
         with gated([command], workdir=workdir, envs=[{}]) as (worker,):
-            _wait_ready(worker)
+            wait_ready([worker])
             worker.go()
 
             def drained(count: int, timeout: float) -> None:
@@ -106,14 +106,6 @@ def raw_pressure(scratch: Scratch, *, kind: str, sizes: PressureSizes) -> dict[s
     return {"kind": kind, **held, **reduce_phases(phases, committed, read_handler_starts(samples, committed))}
 
 
-def _wait_ready(worker: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not worker.ready():
-        if worker.proc.poll() is not None or time.monotonic() > deadline:
-            raise Unverified(f"the raw worker did not get ready\n{worker.tail()}")
-        time.sleep(0.02)
-
-
 def _wait_done(url: URL, count: int, worker: Any, timeout: float) -> None:
     """Until ``count`` rows are done; polls slowly, as ``harness.wait_drained`` does, to leave the CPU."""
     deadline = time.monotonic() + timeout
@@ -133,14 +125,7 @@ def _server_facts(url: URL) -> dict[str, Any]:
         dead = conn.execute(_DEAD).fetchone()
         row = conn.execute(_FRONT_SCAN, {"batch": BATCH}).fetchone()
     assert dead is not None and row is not None
-    plan = row[0][0]
-    top = plan["Plan"]
-    return {
-        "dead_message": int(dead[0]),
-        "dead_attempt": 0,  # no history table
-        "front_scan_buffers": int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0)),
-        "front_scan_ms": float(plan["Execution Time"]),
-    }
+    return {"dead_message": int(dead[0]), "dead_attempt": 0, **front_scan_facts(row[0])}  # no history table
 
 
 def serve(dsn: str, samples: str) -> int:
