@@ -15,7 +15,11 @@ and cache effects fall evenly on all), each timed on its own:
 - ``raw_plain`` and ``raw_enqueue`` (psycopg only): the domain row written by
   raw psycopg 3 and committed, and the same with the outbox row written by
   hand before the commit: a queue without a library. Their difference is what
-  a hand-written enqueue adds to a plain psycopg transaction.
+  a hand-written enqueue adds to a plain psycopg transaction;
+- ``raw_queue`` (psycopg only): the domain row and a row of the raw
+  queue's narrow table (``bench/rawqueue.py``), committed: what the simplest
+  correct queue's enqueue adds, so the share of an emit's cost that is the
+  outbox table's shape reads beside it.
 
 The headline ratios are plain rate / emit rate for each shape: the whole cost
 of adopting the outbox for a transaction that emits. Beside them, the time an
@@ -45,9 +49,9 @@ __all__ = ["Order", "emit_overhead", "outbox_sessions"]
 
 #: The ORM kinds; the raw ones join them on psycopg.
 KINDS = ("plain", "installed", "emit", "plain_flush", "emit_flush")
-RAW_KINDS = ("raw", "raw_plain", "raw_enqueue")
+RAW_KINDS = ("raw", "raw_plain", "raw_enqueue", "raw_queue")
 #: The kinds that write a domain row, and so are counted in ``bench_order``.
-ORDER_KINDS = (*KINDS, "raw_plain", "raw_enqueue")
+ORDER_KINDS = (*KINDS, "raw_plain", "raw_enqueue", "raw_queue")
 EMITTING = ("emit", "emit_flush")
 WARMUP = 100
 
@@ -114,6 +118,8 @@ def emit_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
                 raw.insert(n)
             elif kind == "raw_plain":
                 raw.order(n, kind)
+            elif kind == "raw_queue":
+                raw.raw_queue_enqueue(n, kind)
             else:
                 raw.enqueue(n, kind)
             return time.perf_counter() - began
@@ -151,6 +157,7 @@ def emit_overhead(url: URL, *, transactions: int) -> dict[str, Any]:
         "raw_us": None if raw is None else spent["raw"] / transactions * 1e6,
         "raw_plain_us": None if raw is None else spent["raw_plain"] / transactions * 1e6,
         "raw_enqueue_added_us": None if raw is None else added_us("raw_enqueue", "raw_plain"),
+        "raw_queue_enqueue_added_us": None if raw is None else added_us("raw_queue", "raw_plain"),
     }
 
 
@@ -161,6 +168,10 @@ def _verify(engine: Engine, per_kind: int, *, raw: bool) -> None:
         stored = conn.execute(select(m.c.handler, m.c.payload)).all()
         emitted = set(conn.execute(select(Order.n).where(Order.kind.in_(EMITTING))).scalars())
         enqueued = set(conn.execute(select(Order.n).where(Order.kind == "raw_enqueue")).scalars())
+        raw_queued = set(conn.execute(select(Order.n).where(Order.kind == "raw_queue")).scalars())
+        in_raw_queue = (
+            conn.exec_driver_sql("SELECT (payload->>'n')::int FROM raw_queue").scalars().all() if raw else []
+        )
     if by_kind != dict.fromkeys(ORDER_KINDS if raw else KINDS, per_kind):
         raise Unverified(f"domain rows per kind: {by_kind}, expected {per_kind} each")
     by_route: dict[str, list[Any]] = {}
@@ -181,3 +192,5 @@ def _verify(engine: Engine, per_kind: int, *, raw: bool) -> None:
             raise Unverified("hand-enqueued rows do not match their transactions' domain rows")
     if by_route:
         raise Unverified(f"events stored for unexpected routes: {sorted(by_route)}")
+    if len(in_raw_queue) != len(set(in_raw_queue)) or set(in_raw_queue) != raw_queued:
+        raise Unverified(f"{len(in_raw_queue)} raw queue rows for {len(raw_queued)} raw queue transactions")

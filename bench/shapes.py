@@ -14,6 +14,15 @@ four shapes, and the raw queue beside them:
   ``outbox_message``, with the claim's and the status's partial indexes on
   it; the claim joins back for the message's columns; with history;
 - ``narrow_no_history``: the same without the history row;
+- ``moved``: ``outbox_message`` as it is while a message is unfinished; its
+  delivery moves the row into ``outbox_done``, range-partitioned by the day it
+  was delivered (``DELETE ... RETURNING`` feeding an ``INSERT``), so retention
+  drops a day instead of deleting it; with history. The row is no longer the
+  target of a foreign key (a partitioned table's key must hold its partition
+  key), so the self-referencing ``requeued_from`` key is dropped;
+- ``narrow_moved``: the narrow state table, whose row is deleted when its
+  message is delivered (the unchanging message row stays, for a retention by
+  its creation day); with history;
 - ``rawqueue``: mode 16's raw queue, one worker.
 
 A prototype only: nothing reads ``outbox_state`` but this loop. Each shape runs
@@ -38,7 +47,7 @@ from .verify import Unverified
 
 __all__ = ["SHAPES", "shapes", "shapes_mode", "targets"]
 
-SHAPES = ("today", "today_no_history", "narrow", "narrow_no_history", "rawqueue")
+SHAPES = ("today", "today_no_history", "narrow", "narrow_no_history", "moved", "narrow_moved", "rawqueue")
 
 NARROW_TABLE = """
 CREATE TABLE outbox_state (
@@ -80,6 +89,57 @@ FROM claimed AS c JOIN outbox_message AS m USING (id)
 )
 NARROW_DELIVERED = DELIVERED.replace("outbox_message", "outbox_state")
 
+#: Delivered messages leave the queue table for a table of one partition a day (today's and
+#: tomorrow's made ahead), keyed as a partitioned table must be: by id and the partition key.
+DONE_TABLE = """
+ALTER TABLE outbox_message DROP CONSTRAINT IF EXISTS outbox_message_requeued_from_fkey;
+CREATE TABLE outbox_done (LIKE outbox_message) PARTITION BY RANGE (delivered_at);
+ALTER TABLE outbox_done ADD PRIMARY KEY (id, delivered_at);
+CREATE TABLE outbox_done_today PARTITION OF outbox_done
+    FOR VALUES FROM (date_trunc('day', now())) TO (date_trunc('day', now()) + interval '1 day');
+CREATE TABLE outbox_done_tomorrow PARTITION OF outbox_done
+    FOR VALUES FROM (date_trunc('day', now()) + interval '1 day')
+    TO (date_trunc('day', now()) + interval '2 days');
+"""
+
+#: The columns a delivery changes; every other column moves as it is.
+_DELIVERY = {
+    "status": "'delivered'",
+    "delivered_at": "now()",
+    "locked_by": "NULL",
+    "locked_until": "NULL",
+    "updated_at": "now()",
+}
+
+
+def moved_delivered(columns: list[str]) -> str:
+    """``DELIVERED`` for the ``moved`` shape: the running rows of the batch leave the queue table."""
+    values = ", ".join(_DELIVERY.get(column, f"gone.{column}") for column in columns)
+    return f"""
+WITH gone AS (
+    DELETE FROM outbox_message
+    WHERE id = ANY(%(ids)s) AND locked_by = %(relay)s AND status = 'running'
+    RETURNING *)
+INSERT INTO outbox_done ({", ".join(columns)})
+SELECT {values} FROM gone
+"""
+
+
+NARROW_MOVED_DELIVERED = """
+DELETE FROM outbox_state WHERE id = ANY(%(ids)s) AND locked_by = %(relay)s AND status = 'running'
+"""
+
+#: Per shape: the table its delivered rows end in (None: none, their state is gone) and the
+#: table a delivery empties (None: none).
+_ENDS: dict[str, tuple[str | None, str | None]] = {
+    "today": ("outbox_message", None),
+    "today_no_history": ("outbox_message", None),
+    "narrow": ("outbox_state", None),
+    "narrow_no_history": ("outbox_state", None),
+    "moved": ("outbox_done", "outbox_message"),
+    "narrow_moved": (None, "outbox_state"),
+}
+
 
 def shapes(scratch: Scratch, *, count: int, batch_size: int, rounds: int) -> dict[str, Any]:
     runs: dict[str, list[float]] = {shape: [] for shape in SHAPES}
@@ -99,34 +159,48 @@ def _run(scratch: Scratch, shape: str, purpose: str, count: int, batch_size: int
     prefill(url, "noop", count)
     narrow = shape.startswith("narrow")
     history = not shape.endswith("no_history")
-    if narrow:
-        with psycopg.connect(conninfo(url), autocommit=True) as conn:
+    delivered_sql = NARROW_DELIVERED if narrow else DELIVERED
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        if narrow:
             conn.execute(NARROW_TABLE)
+        if shape == "moved":
+            conn.execute(DONE_TABLE)
+            columns = conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = 'outbox_message'::regclass"
+                " AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+            ).fetchall()
+            delivered_sql = moved_delivered([column for (column,) in columns])
+        if shape == "narrow_moved":
+            delivered_sql = NARROW_MOVED_DELIVERED
     seconds = claim_and_complete(
         url,
         batch_size=batch_size,
         claim_sql=NARROW_CLAIM if narrow else CLAIM,
-        delivered_sql=NARROW_DELIVERED if narrow else DELIVERED,
+        delivered_sql=delivered_sql,
         history=history,
     )
-    _check(url, "outbox_state" if narrow else "outbox_message", count, history_rows=count if history else 0)
+    finished, emptied = _ENDS[shape]
+    _check(url, count, finished=finished, emptied=emptied, history_rows=count if history else 0)
     return count / seconds
 
 
-def _check(url: URL, table: str, count: int, *, history_rows: int) -> None:
+def _check(url: URL, count: int, *, finished: str | None, emptied: str | None, history_rows: int) -> None:
+    """Every message completed once: in ``finished`` as delivered on its first attempt, gone from
+    ``emptied``, and with one history row each where the shape writes one."""
+    delivered = "status = 'delivered' AND attempts = 1 AND locked_by IS NULL"
     with psycopg.connect(conninfo(url)) as conn:
         row = conn.execute(
-            f"""SELECT (SELECT count(*) FROM {table}),
-                       (SELECT count(*) FROM {table}
-                         WHERE status = 'delivered' AND attempts = 1 AND locked_by IS NULL),
+            f"""SELECT {f"(SELECT count(*) FROM {finished})" if finished else count},
+                       {f"(SELECT count(*) FROM {finished} WHERE {delivered})" if finished else count},
+                       {f"(SELECT count(*) FROM {emptied})" if emptied else 0},
                        (SELECT count(*) FROM outbox_attempt WHERE relay_id = %s AND outcome = 'delivered'),
                        (SELECT count(DISTINCT message_id) FROM outbox_attempt)""",
             (RELAY_ID,),
         ).fetchone()
-    expected = (count, count, history_rows, history_rows)
+    expected = (count, count, 0, history_rows, history_rows)
     if row != expected:
-        what = "(rows, completed once, history rows, their messages)"
-        raise Unverified(f"{table}: {what} = {row}, not {expected}")
+        what = "(rows, completed once, rows left unfinished, history rows, their messages)"
+        raise Unverified(f"{finished or emptied}: {what} = {row}, not {expected}")
 
 
 def shapes_mode(

@@ -23,6 +23,7 @@ KEYS = (
     "raw_insert_us",
     "raw_plain_us",
     "raw_enqueue_added_us",
+    "raw_queue_enqueue_added_us",
 )
 
 
@@ -56,6 +57,7 @@ def test_emit_mode_reports_both_shapes_and_the_raw_insert(pg_url: str) -> None:
     assert all(row[3] in ("PASS", "FAIL") for row in rows)
     # The enqueue written by hand is read beside the emit, from the same run.
     assert f"+{out['raw_enqueue_added_us']:.0f} us" in rows[2][1]
+    assert f"the raw queue's enqueue +{out['raw_queue_enqueue_added_us']:.0f} us" in rows[2][1]
 
 
 def test_emit_mode_on_sqlite_has_no_raw_insert(sqlite_template: Path, tmp_path: Path) -> None:
@@ -64,5 +66,6 @@ def test_emit_mode_on_sqlite_has_no_raw_insert(sqlite_template: Path, tmp_path: 
     figures = emit_overhead(make_url(f"sqlite:///{path}"), transactions=3)
 
     assert figures["raw_us"] is None and figures["raw_enqueue_added_us"] is None
+    assert figures["raw_queue_enqueue_added_us"] is None
     assert figures["ratio"] > 0 and figures["ratio_flush"] > 0
     assert "n/a" in emit_targets(emit_figures(figures))[0][1]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from sqlalchemy.engine import URL
 
 from bench.__main__ import DEFAULT_MODES, MODES, main
 from bench.harness import Scratch, conninfo, prefill
@@ -18,29 +19,50 @@ pytestmark = pytest.mark.postgres
 COUNT = 600
 
 
-def test_each_shape_completes_every_message_once_and_the_narrow_one_leaves_the_messages_alone(
+def _facts(url: URL, *queries: str) -> list[list[tuple[object, ...]]]:
+    with psycopg.connect(conninfo(url)) as conn:
+        return [conn.execute(query).fetchall() for query in queries]
+
+
+BY_STATE = "SELECT status, attempts, count(*) FROM {} GROUP BY 1, 2"
+HISTORY = "SELECT count(*), count(DISTINCT message_id) FROM outbox_attempt"
+
+
+def test_each_shape_completes_every_message_once_and_leaves_its_rows_where_it_says(
     pg_base_url: str,
 ) -> None:
     scratch = Scratch(pg_base_url)
     try:
         rates = {shape: _run(scratch, shape, f"t{shape.replace('_', '')}", COUNT, 100) for shape in SHAPES}
-        narrow = scratch.server.set(database=f"{scratch.tag}_tnarrow")
-        with psycopg.connect(conninfo(narrow)) as conn:
-            state = conn.execute(
-                "SELECT status, attempts, count(*) FROM outbox_state GROUP BY 1, 2"
-            ).fetchall()
-            messages = conn.execute(
-                "SELECT status, attempts, count(*) FROM outbox_message GROUP BY 1, 2"
-            ).fetchall()
-            history = conn.execute(
-                "SELECT count(*), count(DISTINCT message_id) FROM outbox_attempt"
-            ).fetchone()
+
+        def database(shape: str) -> URL:
+            return scratch.server.set(database=f"{scratch.tag}_t{shape.replace('_', '')}")
+
+        narrow = _facts(
+            database("narrow"), BY_STATE.format("outbox_state"), BY_STATE.format("outbox_message"), HISTORY
+        )
+        moved = _facts(
+            database("moved"),
+            BY_STATE.format("outbox_done"),
+            "SELECT count(*) FROM outbox_message",
+            "SELECT count(*) FROM outbox_done_today",
+            HISTORY,
+        )
+        narrow_moved = _facts(
+            database("narrow_moved"),
+            "SELECT count(*) FROM outbox_state",
+            BY_STATE.format("outbox_message"),
+            HISTORY,
+        )
     finally:
         scratch.close()
     assert all(rate > 0 for rate in rates.values()), rates
-    assert state == [("delivered", 1, COUNT)]
-    assert messages == [("pending", 0, COUNT)]  # the prototype's state lives beside them
-    assert history == (COUNT, COUNT)
+    # The narrow prototype's state lives beside the messages, which it leaves as they were.
+    assert narrow == [[("delivered", 1, COUNT)], [("pending", 0, COUNT)], [(COUNT, COUNT)]]
+    # Delivered rows left the queue table for today's partition of the finished ones.
+    assert moved == [[("delivered", 1, COUNT)], [(0,)], [(COUNT,)], [(COUNT, COUNT)]]
+    # Delivered state is deleted; the messages stay, and history says each was delivered once.
+    assert narrow_moved == [[(0,)], [("pending", 0, COUNT)], [(COUNT, COUNT)]]
 
 
 def test_the_check_refuses_a_shape_that_left_a_message_behind(pg_base_url: str) -> None:
@@ -55,7 +77,20 @@ def test_the_check_refuses_a_shape_that_left_a_message_behind(pg_base_url: str) 
                 " WHERE id <> (SELECT min(id) FROM outbox_state)"
             )
         with pytest.raises(Unverified, match="outbox_state"):
-            _check(url, "outbox_state", 3, history_rows=0)
+            _check(url, 3, finished="outbox_state", emptied=None, history_rows=0)
+    finally:
+        scratch.close()
+
+
+def test_the_check_refuses_a_shape_whose_delivery_left_a_row_behind(pg_base_url: str) -> None:
+    scratch = Scratch(pg_base_url)
+    try:
+        url = scratch.postgres("leftinqueue")
+        prefill(url, "noop", 3)
+        with pytest.raises(Unverified, match=r"outbox_state: .* = \(3, 3, 3, 0, 0\)"):
+            with psycopg.connect(conninfo(url), autocommit=True) as conn:
+                conn.execute(NARROW_TABLE)
+            _check(url, 3, finished=None, emptied="outbox_state", history_rows=0)
     finally:
         scratch.close()
 
