@@ -84,9 +84,15 @@ INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payl
 VALUES (gen_random_uuid(), %(event_type)s, 'latency', %(queue)s, %(priority)s,
         jsonb_build_object('n', %(n)s::int), '{}'::jsonb, %(max_attempts)s, now(), now(), now())
 """
+#: Dead tuples per outbox table. History is partitioned by day (``outbox_0024``): the statistics
+#: count its partitions, not the parent, so its figure is their sum.
 _DEAD = """
-SELECT relname, n_dead_tup FROM pg_stat_user_tables
- WHERE relname IN ('outbox_message', 'outbox_attempt')
+SELECT 'outbox_message', coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables
+ WHERE relid = 'outbox_message'::regclass
+UNION ALL
+SELECT 'outbox_attempt', coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables
+ WHERE relid = 'outbox_attempt'::regclass
+    OR relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'outbox_attempt'::regclass)
 """
 #: The claim's scan from the front (relay/sql_postgresql.py), without its lock or its update.
 _FRONT_SCAN = """

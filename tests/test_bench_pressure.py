@@ -15,12 +15,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 
 from bench.__main__ import _parser
 from bench.drain import RelaySettings
 from bench.harness import Scratch, conninfo
-from bench.pressure import PHASES, PRESSURE_MODES, PressureSizes, sizes_from
+from bench.pressure import PHASES, PRESSURE_MODES, PressureSizes, _server_facts, sizes_from
 from bench.pressure_raw import RAW_MODES
 from bench.pressure_report import ALL_PRESSURE_MODES, pressure_rows, run_pressure
 from bench.rawqueue import check_rawqueue
@@ -142,3 +142,24 @@ def test_the_phase_lengths_come_from_flags_and_must_be_positive() -> None:
     assert sizes_from(_parser().parse_args([])).pressure_seconds == 600.0
     with pytest.raises(SystemExit, match="--pressure-seconds must be positive"):
         sizes_from(_parser().parse_args(["--pressure-seconds", "0"]))
+
+
+def test_dead_tuples_of_history_are_its_partitions_sum(pg_url: str) -> None:
+    """History is partitioned by day: its dead tuples are counted in its partitions, which the phase's
+    figure adds up, beside the messages' own."""
+    url = make_url(pg_url)
+    with psycopg.connect(conninfo(url)) as conn:
+        conn.execute(
+            "INSERT INTO outbox_attempt (message_id, attempt, outcome, started_at, finished_at, duration_ms,"
+            " relay_id) SELECT g, 1, 'delivered', now(), now(), 0, 'test' FROM generate_series(1, 30) AS g"
+        )
+        conn.rollback()  # 30 aborted insertions: dead tuples of today's partition
+        conn.execute(
+            "INSERT INTO outbox_message (event_id, event_type, handler, queue, priority, payload, headers,"
+            " max_attempts, available_at, created_at, updated_at) SELECT gen_random_uuid(), 'e', 'latency',"
+            " 'default', 0, '{}', '{}', 1, now(), now(), now() FROM generate_series(1, 7)"
+        )
+        conn.rollback()
+        conn.execute("SELECT pg_stat_force_next_flush()")
+    facts = _server_facts(url, "default")
+    assert (facts["dead_attempt"], facts["dead_message"]) == (30, 7)
