@@ -206,7 +206,8 @@ def test_live_relays_renew_their_leases_so_nothing_is_recovered(pg_engine, pg_ur
         by_slow = {
             r.message_id for r in conn.execute(select(log_table).where(log_table.c.relay_pid == slow.pid))
         }
-    assert by_slow == held, "2.5 s handlers under a 1 s lease: only renewals kept the claims"
+    # The slow relay may take more once its first five are done, if the other one is slow to start.
+    assert held <= by_slow, "2.5 s handlers under a 1 s lease: only renewals kept the claims"
     assert slow.actions("lease_expired") == other.actions("lease_expired") == []
 
 
