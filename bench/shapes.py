@@ -92,7 +92,7 @@ NARROW_DELIVERED = DELIVERED.replace("outbox_message", "outbox_state")
 #: Delivered messages leave the queue table for a table of one partition a day (today's and
 #: tomorrow's made ahead), keyed as a partitioned table must be: by id and the partition key.
 DONE_TABLE = """
-ALTER TABLE outbox_message DROP CONSTRAINT IF EXISTS outbox_message_requeued_from_fkey;
+ALTER TABLE outbox_message DROP CONSTRAINT fk_outbox_message_requeued_from_outbox_message;
 CREATE TABLE outbox_done (LIKE outbox_message) PARTITION BY RANGE (delivered_at);
 ALTER TABLE outbox_done ADD PRIMARY KEY (id, delivered_at);
 CREATE TABLE outbox_done_today PARTITION OF outbox_done
